@@ -1,0 +1,3 @@
+from swarmtrain.cli.main import main
+
+main()

@@ -1,0 +1,295 @@
+"""`swarmtrain`: the command line. Each command parses flags into a config, builds the
+object, runs it and closes it; the logic lives in the Python API under it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported anywhere
+
+import typer  # noqa: E402
+
+from swarmtrain.errors import ConfigError, SwarmError  # noqa: E402
+
+app = typer.Typer(
+    name="swarmtrain",
+    help="Elastic, decentralized training over spot and consumer GPUs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+InitialPeers = Annotated[
+    list[str],
+    typer.Option(
+        "--initial-peers",
+        help="Address of a peer already in the swarm, as printed by `swarmtrain coordinator` "
+        "(/ip4/HOST/tcp/PORT/p2p/ID). Repeat for several.",
+    ),
+]
+RunId = Annotated[
+    str | None,
+    typer.Option("--run-id", help="Run to take part in. [default: the only run the swarm announces]"),
+]
+Host = Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 accepts peers from other machines.")]
+Port = Annotated[int, typer.Option(help="TCP port to listen on; 0 picks a free port.")]
+Threads = Annotated[int | None, typer.Option("--threads", help="torch CPU threads. [default: torch's choice]")]
+
+
+def fail(message: str) -> None:
+    """Print one clear line to stderr and exit non-zero, without a traceback."""
+    typer.secho(f"error: {message}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def parse_model_config(text: str) -> dict:
+    """'{"n_layer": 4}' or 'n_layer=4,d_model=128' -> dict (numbers and booleans typed)."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--model-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--model-config must be a JSON object")
+        return value
+    out = {}
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--model-config item {item!r} is not KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw.strip()
+    return out
+
+
+def run_guarded(fn, *args, **kwargs):
+    """Call `fn`, turning swarmtrain's errors into one line and exit code 2."""
+    try:
+        return fn(*args, **kwargs)
+    except SwarmError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        typer.secho("interrupted", err=True)
+        raise typer.Exit(130) from None
+
+
+@app.command()
+def coordinator(
+    run_id: Annotated[str, typer.Option(help="Run id peers join with --run-id.")] = "demo",
+    model: Annotated[str, typer.Option(help="Model builder: 'tiny-gpt' or 'package.module:function'.")] = "tiny-gpt",
+    model_config: Annotated[
+        str, typer.Option(help="Builder options: a JSON object or KEY=VALUE,KEY=VALUE.")
+    ] = "",
+    stages: Annotated[int, typer.Option(help="Pipeline stages; blocks are split evenly.")] = 3,
+    optimizer: Annotated[str, typer.Option(help="adamw or sgd.")] = "adamw",
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 3e-3,
+    weight_decay: Annotated[float, typer.Option(help="Decoupled weight decay.")] = 0.0,
+    microbatch_size: Annotated[int, typer.Option(help="Sequences per microbatch.")] = 8,
+    microbatches_per_step: Annotated[int, typer.Option(help="Microbatches per optimizer step.")] = 4,
+    max_in_flight: Annotated[int, typer.Option(help="Microbatches a trainer keeps in the pipeline.")] = 4,
+    seed: Annotated[int, typer.Option(help="Run seed: initialisation and data order.")] = 0,
+    steps: Annotated[int, typer.Option(help="Steps the run aims for; 0 means until stopped.")] = 0,
+    host: Host = "127.0.0.1",
+    port: Port = 0,
+    address_file: Annotated[
+        Path | None, typer.Option(help="Also write the peer address to this file once serving.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
+) -> None:
+    """Start a swarm: a bootstrap DHT peer that publishes a run's manifest."""
+    setup_logging(verbose)
+    from swarmtrain.peers.coordinator import Coordinator, CoordinatorConfig
+    from swarmtrain.swarm import NodeConfig
+    from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+
+    def main() -> None:
+        config = CoordinatorConfig(
+            node=NodeConfig(host=host, port=port),
+            run_id=run_id,
+            model=model,
+            model_config=parse_model_config(model_config),
+            num_stages=stages,
+            optimizer=OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay),
+            batch=BatchConfig(
+                microbatch_size=microbatch_size,
+                microbatches_per_step=microbatches_per_step,
+                max_in_flight=max_in_flight,
+            ),
+            seed=seed,
+            max_steps=steps,
+        )
+        coord = Coordinator(config)
+        try:
+            m = coord.manifest
+            typer.echo(f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages {list(m.stage_bounds)}")
+            typer.echo(f"peer address: {coord.address}")
+            typer.echo(f"join with:    swarmtrain join --initial-peers {coord.address}")
+            if address_file is not None:
+                tmp = address_file.with_suffix(".tmp")
+                tmp.write_text(coord.address + "\n")
+                tmp.replace(address_file)
+            _wait_for_signal(coord)
+        finally:
+            coord.close()
+
+    run_guarded(main)
+
+
+def _wait_for_signal(coord) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: coord.close())
+    try:
+        while not coord.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def join(
+    initial_peers: InitialPeers,
+    run_id: RunId = None,
+    stage: Annotated[int | None, typer.Option(help="Stage to serve. [default: the stage with fewest peers]")] = None,
+    gpu: Annotated[str, typer.Option(help="Device: auto (first CUDA GPU, else CPU), cpu, cuda or cuda:N.")] = "auto",
+    threads: Threads = None,
+    host: Host = "127.0.0.1",
+    port: Port = 0,
+    ready_file: Annotated[Path | None, typer.Option(help="Write this peer's id here once it serves.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
+) -> None:
+    """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
+    setup_logging(verbose)
+    from swarmtrain.peers.probe import resolve_device
+    from swarmtrain.peers.stage import StageConfig, StagePeer
+    from swarmtrain.swarm import NodeConfig
+
+    def main() -> None:
+        config = StageConfig(
+            node=NodeConfig(initial_peers=tuple(initial_peers), host=host, port=port),
+            run_id=run_id,
+            stage=stage,
+            device=resolve_device(gpu),
+            num_threads=threads,
+        )
+        peer = StagePeer(config)
+        if ready_file is not None:
+            peer.on_serving = lambda: _write_atomic(ready_file, peer.node.peer_id)
+        else:
+            peer.on_serving = lambda: typer.echo(
+                f"serving stage {peer.stage} of run {peer.manifest.run_id!r} on {config.device} as {peer.node.peer_id}"
+            )
+        peer.run()
+
+    run_guarded(main)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+
+
+@app.command()
+def train(
+    initial_peers: InitialPeers,
+    run_id: RunId = None,
+    steps: Annotated[int, typer.Option(help="Optimizer steps to run.")] = 100,
+    data: Annotated[str, typer.Option(help="'stdlib' (Python's own sources) or a text file or folder.")] = "stdlib",
+    timeout: Annotated[float, typer.Option(help="Seconds one microbatch may take, forward and back.")] = 60.0,
+    threads: Threads = None,
+    jsonl: Annotated[bool, typer.Option("--jsonl", help="Print one JSON object per step instead of text.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
+) -> None:
+    """Train a run: feed microbatches of byte-level text into the swarm and step it."""
+    setup_logging(verbose)
+    from swarmtrain.peers.trainer import Trainer, TrainerConfig
+    from swarmtrain.swarm import NodeConfig
+    from swarmtrain.train.data import text_batches_for
+
+    def main() -> None:
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        config = TrainerConfig(
+            node=NodeConfig(initial_peers=tuple(initial_peers)), run_id=run_id, microbatch_timeout_s=timeout
+        )
+        with Trainer(config) as trainer:
+            batches = text_batches_for(trainer.manifest, data)
+            for result in trainer.train(batches, steps=steps):
+                if jsonl:
+                    record = {
+                        "step": result.step,
+                        "loss": result.loss,
+                        "tokens": result.tokens,
+                        "seconds": result.seconds,
+                        "tokens_per_s": result.tokens_per_s,
+                        "replays": result.replays,
+                    }
+                    typer.echo(json.dumps(record))
+                else:
+                    typer.echo(f"step {result.step:5d}  loss {result.loss:.4f}  {result.tokens_per_s:8.0f} tokens/s")
+
+    run_guarded(main)
+
+
+@app.command()
+def demo(
+    stages: Annotated[int, typer.Option(help="Stage peers to start, one per stage.")] = 3,
+    steps: Annotated[int, typer.Option(help="Optimizer steps to train.")] = 120,
+    model_config: Annotated[str, typer.Option(help="tiny-gpt options: JSON or KEY=VALUE,...")] = "",
+    microbatch_size: Annotated[int, typer.Option(help="Sequences per microbatch.")] = 16,
+    microbatches_per_step: Annotated[int, typer.Option(help="Microbatches per optimizer step.")] = 4,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 3e-3,
+    port: Annotated[int, typer.Option(help="Coordinator TCP port; 0 picks a free port.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary at the end.")] = False,
+) -> None:
+    """Run a whole swarm on this machine: a coordinator, N stage peers and a trainer,
+    each its own process on 127.0.0.1, training tiny-gpt on Python's standard library."""
+    from swarmtrain.peers.demo import DemoConfig, run_demo
+
+    def main() -> None:
+        config = DemoConfig(
+            num_stages=stages,
+            steps=steps,
+            model_config=parse_model_config(model_config),
+            microbatch_size=microbatch_size,
+            microbatches_per_step=microbatches_per_step,
+            lr=lr,
+            port=port,
+        )
+        summary = run_demo(config, quiet=as_json)
+        if as_json:
+            typer.echo(json.dumps(summary, indent=2))
+
+    run_guarded(main)
+
+
+def main() -> None:
+    try:
+        app()
+    except ConfigError as e:  # raised while typer converts values
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

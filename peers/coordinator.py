@@ -1,0 +1,113 @@
+"""The coordinator: a stable bootstrap DHT peer that publishes a run's manifest.
+
+It is not a master. Once peers have joined, training goes on without it; while it runs it
+republishes the manifest so the record outlives any single peer, and it announces itself
+so `swarmtrain status` can find it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import swarmtrain
+from swarmtrain.errors import ConfigError
+from swarmtrain.model import build_model
+from swarmtrain.swarm import NodeConfig, SwarmNode
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig, PeerRecord, RunManifest, check_run_id, even_split
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """A run to publish and the node to publish it from."""
+
+    node: NodeConfig = field(default_factory=NodeConfig)
+    run_id: str = "demo"
+    """Run id; peers pass it as --run-id (optional when the swarm has one run)."""
+    model: str = "tiny-gpt"
+    """Model builder: a registered name or 'package.module:function'."""
+    model_config: dict = field(default_factory=dict)
+    """Keyword arguments for the builder."""
+    num_stages: int = 3
+    """Pipeline stages; the blocks are split evenly between them."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    seed: int = 0
+    """Run seed: model initialisation and the trainer's data order."""
+    max_steps: int = 0
+    """Steps the run aims for (0: until stopped)."""
+    republish_s: float = 10.0
+    """Seconds between republications of the manifest."""
+
+    def __post_init__(self):
+        check_run_id(self.run_id)
+        if self.republish_s <= 0:
+            raise ConfigError(f"republish_s must be > 0, got {self.republish_s}")
+
+
+def make_manifest(config: CoordinatorConfig) -> RunManifest:
+    """The run's manifest; builds the model on the meta device to count its blocks."""
+    model = build_model(config.model, config.model_config, device="meta")
+    return RunManifest(
+        run_id=config.run_id,
+        model=config.model,
+        model_config=dict(config.model_config),
+        num_blocks=model.num_blocks,
+        stage_bounds=even_split(model.num_blocks, config.num_stages),
+        optimizer=config.optimizer,
+        batch=config.batch,
+        seed=config.seed,
+        max_steps=config.max_steps,
+    )
+
+
+class Coordinator:
+    """Publish a run until closed. The manifest is checked before any network is touched."""
+
+    def __init__(self, config: CoordinatorConfig):
+        self.config = config
+        self.manifest = make_manifest(config)
+        self.node = SwarmNode(config.node)
+        self._closed = threading.Event()
+        self._publish()
+        self._thread = threading.Thread(target=self._republish, name="coordinator-publish", daemon=True)
+        self._thread.start()
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.node.addresses()
+
+    @property
+    def address(self) -> str:
+        """The multiaddr to pass other peers as --initial-peers."""
+        return self.addresses[0]
+
+    def _publish(self) -> None:
+        ttl = 6 * self.config.republish_s
+        self.node.publish_manifest(self.manifest, ttl_s=ttl)
+        record = PeerRecord(peer_id=self.node.peer_id, role="coordinator", version=swarmtrain.__version__)
+        self.node.announce(self.manifest.run_id, record, ttl_s=3 * self.config.republish_s)
+
+    def _republish(self) -> None:
+        while not self._closed.wait(self.config.republish_s):
+            try:
+                self._publish()
+            except Exception as e:  # a DHT hiccup must not end the coordinator
+                logger.warning("republishing the manifest failed: %r", e)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until `close()` is called (or `timeout` passes); True if closed."""
+        return self._closed.wait(timeout)
+
+    def close(self) -> None:
+        self._closed.set()
+        self.node.shutdown()
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,129 @@
+"""`swarmtrain demo`: a whole swarm on this machine, trained while you watch.
+
+A coordinator, one stage peer per stage and a trainer, each a separate process on
+127.0.0.1, train tiny-gpt on the source of Python's standard library (on every machine).
+The trainer reports each step as a JSON line; the demo draws them as a progress bar and
+ends with a summary. Ctrl+C stops every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from swarmtrain.errors import SwarmError
+from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig, cli_command
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+
+DEMO_MODEL = {"n_layer": 6, "n_head": 4, "d_model": 128, "seq_len": 64, "vocab_size": 256}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    num_stages: int = 3
+    steps: int = 120
+    model_config: dict = field(default_factory=dict)
+    """Overrides of DEMO_MODEL (tiny-gpt options)."""
+    microbatch_size: int = 16
+    microbatches_per_step: int = 4
+    lr: float = 3e-3
+    port: int = 0
+    """Coordinator port (0: any free port)."""
+
+
+def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
+    """Run the demo; returns the summary (also printed unless `quiet`)."""
+    console = Console(stderr=quiet)
+    model_config = DEMO_MODEL | config.model_config
+    swarm_config = LocalSwarmConfig(
+        run_id="demo",
+        model="tiny-gpt",
+        model_config=model_config,
+        num_stages=config.num_stages,
+        optimizer=OptimizerConfig(lr=config.lr),
+        batch=BatchConfig(
+            microbatch_size=config.microbatch_size,
+            microbatches_per_step=config.microbatches_per_step,
+            max_in_flight=max(config.num_stages, config.microbatches_per_step),
+        ),
+        coordinator_port=config.port,
+    )
+    started = time.monotonic()
+    with console.status(f"starting a coordinator and {config.num_stages} stage peers on 127.0.0.1 ..."):
+        swarm = LocalSwarm(swarm_config)
+        swarm.__enter__()
+    try:
+        console.print(f"[bold]swarm up[/] in {time.monotonic() - started:.1f} s; logs in {swarm.log_dir}")
+        console.print("join it from another terminal with:")
+        console.print(f"  swarmtrain join --initial-peers {swarm.address}", soft_wrap=True, highlight=False)
+        return _train(swarm, config, console, model_config, quiet)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping every process of the demo")
+        raise
+    finally:
+        swarm.close()
+
+
+def _train(swarm: LocalSwarm, config: DemoConfig, console: Console, model_config: dict, quiet: bool) -> dict:
+    args = ["train", "--initial-peers", swarm.address, "--run-id", "demo", "--steps", str(config.steps)]
+    log = open(swarm.log_dir / "trainer.log", "wb")
+    proc = subprocess.Popen(
+        cli_command(*args, "--jsonl", "--threads", "1"),
+        stdout=subprocess.PIPE,
+        stderr=log,
+        env=swarm._env(),
+        start_new_session=True,
+    )
+    swarm.procs["trainer"] = proc
+    records = []
+    columns = (
+        TextColumn("[bold]training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tokens/s"),
+        TimeElapsedColumn(),
+    )
+    began = time.monotonic()
+    with Progress(*columns, console=console, transient=quiet) as progress:
+        task = progress.add_task("train", total=config.steps, loss="-", tps="-")
+        for line in proc.stdout:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            records.append(record)
+            progress.update(task, completed=len(records), loss=f"{record['loss']:.3f}", tps=f"{record['tokens_per_s']:.0f}")
+    if proc.wait() != 0:
+        raise SwarmError(f"the trainer failed (exit {proc.returncode}):\n{swarm.log_tail('trainer')}")
+    wall = time.monotonic() - began
+    if not records:
+        raise SwarmError("the trainer finished without completing a step")
+    tokens = sum(r["tokens"] for r in records)
+    tail = records[-min(10, len(records)) :]
+    summary = {
+        "stages": config.num_stages,
+        "steps": len(records),
+        "model": model_config,
+        "initial_loss": records[0]["loss"],
+        "final_loss": sum(r["loss"] for r in tail) / len(tail),
+        "uniform_loss": math.log(model_config.get("vocab_size", 256)),
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "seconds": wall,
+        "replays": sum(r["replays"] for r in records),
+    }
+    if not quiet:
+        console.print(
+            f"[bold green]done[/]: {summary['steps']} steps, loss {summary['initial_loss']:.3f} -> "
+            f"{summary['final_loss']:.3f} (uniform guess: {summary['uniform_loss']:.3f}), "
+            f"{summary['tokens_per_s']:.0f} tokens/s over {summary['seconds']:.0f} s"
+        )
+    sys.stdout.flush()
+    return summary

@@ -1,0 +1,198 @@
+"""Spawn a whole swarm on this machine: a coordinator and stage peers as separate processes.
+
+Each peer is a real `swarmtrain` CLI process in its own process group (its hivemind DHT
+process and p2pd daemon included), so `close()` or a kill of one peer takes down exactly
+that peer's processes. Used by `swarmtrain demo`, the tests and the examples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarmtrain.errors import SwarmError
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSwarmConfig:
+    """A local swarm: the run it serves and how its processes are started."""
+
+    run_id: str = "demo"
+    model: str = "tiny-gpt"
+    model_config: dict = field(default_factory=dict)
+    num_stages: int = 3
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    seed: int = 0
+    host: str = "127.0.0.1"
+    """Address every peer listens on."""
+    coordinator_port: int = 0
+    """Coordinator's TCP port (0: any free port)."""
+    threads_per_peer: int = 1
+    """torch threads of each stage peer."""
+    log_dir: str | None = None
+    """Where each process's output goes; None makes a temporary folder."""
+    startup_timeout_s: float = 120.0
+    """How long a peer may take to start before the launch fails."""
+    env: dict = field(default_factory=dict)
+    """Extra environment for every process."""
+
+
+def cli_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "swarmtrain.cli", *args]
+
+
+def _optional(flag: str, value) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+class LocalSwarm:
+    """`with LocalSwarm(config) as swarm:` a coordinator and one peer per stage, up and serving."""
+
+    def __init__(self, config: LocalSwarmConfig | None = None, **overrides):
+        self.config = config or LocalSwarmConfig(**overrides)
+        self.log_dir = Path(self.config.log_dir or tempfile.mkdtemp(prefix="swarmtrain-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.address = ""
+        self._count = 0
+
+    def __enter__(self) -> LocalSwarm:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # processes
+
+    def _env(self) -> dict:
+        env = dict(os.environ, **{k: str(v) for k, v in self.config.env.items()})
+        paths = [os.getcwd(), sys.path[0], env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        """Start `swarmtrain ARGS` as process `name`, output to `log_dir/name.log`."""
+        log = open(self.log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen(
+            cli_command(*args), stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _wait_file(self, name: str, path: Path) -> str:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        proc = self.procs[name]
+        while time.monotonic() < deadline:
+            if path.exists() and path.stat().st_size:
+                return path.read_text().strip()
+            if proc.poll() is not None:
+                raise SwarmError(f"{name} exited with code {proc.returncode} while starting:\n{self.log_tail(name)}")
+            time.sleep(0.05)
+        raise SwarmError(f"{name} did not start within {self.config.startup_timeout_s:.0f} s:\n{self.log_tail(name)}")
+
+    def start(self) -> None:
+        cfg = self.config
+        address_file = self.log_dir / "coordinator.address"
+        self.spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--run-id", cfg.run_id,
+                "--model", cfg.model,
+                "--model-config", json.dumps(cfg.model_config),
+                "--stages", str(cfg.num_stages),
+                "--optimizer", cfg.optimizer.name,
+                "--lr", str(cfg.optimizer.lr),
+                "--weight-decay", str(cfg.optimizer.weight_decay),
+                "--microbatch-size", str(cfg.batch.microbatch_size),
+                "--microbatches-per-step", str(cfg.batch.microbatches_per_step),
+                "--max-in-flight", str(cfg.batch.max_in_flight),
+                "--seed", str(cfg.seed),
+                "--host", cfg.host,
+                "--port", str(cfg.coordinator_port),
+                "--address-file", str(address_file),
+            ],
+        )  # fmt: skip
+        self.address = self._wait_file("coordinator", address_file)
+        names = [self.spawn_stage(k, wait=False) for k in range(cfg.num_stages)]
+        for name in names:
+            self.wait_ready(name)
+
+    def spawn_stage(self, stage: int | None, *, extra_args: tuple[str, ...] = (), wait: bool = True) -> str:
+        """Start one more stage peer (of `stage`, or of the stage that needs it); returns its name."""
+        self._count += 1
+        name = f"stage{'' if stage is None else stage}-{self._count}"
+        args = [
+            "join",
+            "--initial-peers", self.address,
+            "--run-id", self.config.run_id,
+            "--gpu", "cpu",
+            "--threads", str(self.config.threads_per_peer),
+            "--host", self.config.host,
+            "--ready-file", str(self.log_dir / f"{name}.ready"),
+            *_optional("--stage", stage),
+            *extra_args,
+        ]  # fmt: skip
+        self.spawn(name, args)
+        if wait:
+            self.wait_ready(name)
+        return name
+
+    def wait_ready(self, name: str) -> str:
+        """Wait until peer `name` serves; returns its peer id."""
+        return self._wait_file(name, self.log_dir / f"{name}.ready")
+
+    def signal(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` to every process of peer `name` (its DHT process and daemon too)."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every peer, wait up to `timeout_s`, then SIGKILL what is left."""
+        for name in self.procs:
+            self.signal(name, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for name, proc in self.procs.items():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the group may outlive its leader
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def trainer(self, **overrides):
+        """A Trainer connected to this swarm (the caller closes it)."""
+        from swarmtrain.peers.trainer import Trainer, TrainerConfig
+        from swarmtrain.swarm import NodeConfig
+
+        node = NodeConfig(initial_peers=(self.address,), host=self.config.host)
+        return Trainer(TrainerConfig(node=node, run_id=self.config.run_id, **overrides))

@@ -1,0 +1,319 @@
+"""The stage peer process: serves one pipeline stage of a run.
+
+A forward request carries a microbatch and the route (the peer of every stage, chosen by
+the trainer). The stage runs its blocks, sends the output straight to the next stage's
+peer and waits for that call's reply, which carries the gradient of the output; then it
+runs backward and replies upstream with the gradient of its input. The last stage computes
+the loss and starts backward. So forward chains peer to peer and gradients come back along
+the recorded path: the open calls themselves.
+
+Compute runs on one worker thread, off the event loop; networking stays on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.utils import get_dht_time
+
+import swarmtrain
+from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
+from swarmtrain.model import build_stage
+from swarmtrain.swarm import NodeConfig, SwarmNode, stage_primaries
+from swarmtrain.train.stage_runner import StageRunner
+from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
+from swarmtrain.wire.frames import Frame, error_frame
+from swarmtrain.wire.records import PeerRecord, RunManifest
+
+logger = logging.getLogger(__name__)
+
+HOP_MARGIN_S = 0.5
+"""Time a stage keeps for itself when it passes the remaining budget downstream."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """A stage peer: which swarm, run and stage, and on what device."""
+
+    node: NodeConfig = field(default_factory=NodeConfig)
+    run_id: str | None = None
+    """Run to join; None joins the only run the swarm announces."""
+    stage: int | None = None
+    """Stage to serve; None takes the stage with the fewest peers."""
+    device: str = "cpu"
+    """torch device for compute, e.g. 'cpu' or 'cuda:0'."""
+    num_threads: int | None = None
+    """torch intra-op threads; None keeps torch's default."""
+    heartbeat_s: float = 2.0
+    """Seconds between announcements in the DHT."""
+    ttl_s: float = 6.0
+    """Lifetime of an announcement: a peer silent for this long drops out of routing."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM, how long to wait for in-flight microbatches before leaving."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def __post_init__(self):
+        if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
+            raise ConfigError(f"need 0 < heartbeat_s < ttl_s, got {self.heartbeat_s} and {self.ttl_s}")
+        if self.stage is not None and self.stage < 0:
+            raise ConfigError(f"--stage must be >= 0, got {self.stage}")
+
+
+def choose_stage(manifest: RunManifest, records: list[PeerRecord]) -> int:
+    """The stage with the fewest live peers (the lowest index among ties)."""
+    counts = [0] * manifest.num_stages
+    for r in records:
+        if r.role == "stage" and 0 <= r.stage < manifest.num_stages and r.state != "draining":
+            counts[r.stage] += 1
+    return min(range(manifest.num_stages), key=lambda k: (counts[k], k))
+
+
+class StagePeer:
+    """Serve one stage until stopped. `run()` blocks; `stop()` may be called from any thread."""
+
+    def __init__(self, config: StageConfig):
+        self.config = config
+        self.node: SwarmNode | None = None
+        self.manifest: RunManifest | None = None
+        self.stage: int = -1
+        self.state = "joining"
+        self.served = 0
+        self.failed = 0
+        self._since = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._in_flight = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self.on_serving = lambda: None
+        """Called once the peer is announced and takes requests (serving or standing by)."""
+
+    # lifecycle
+
+    def run(self) -> None:
+        asyncio.run(self.serve())
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def serve(self) -> None:
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self.node = SwarmNode(cfg.node)
+        try:
+            await self._serve(self.node)
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self.node.shutdown()
+
+    async def _serve(self, node: SwarmNode) -> None:
+        cfg = self.config
+        self.manifest = manifest = node.require_manifest(cfg.run_id)
+        self.stage = cfg.stage if cfg.stage is not None else choose_stage(manifest, await node.peers_async(manifest.run_id))
+        start, end = manifest.stage_span(self.stage)
+        module = build_stage(
+            manifest.model,
+            manifest.model_config,
+            start,
+            end,
+            num_blocks=manifest.num_blocks,
+            seed=manifest.seed,
+            device=cfg.device,
+        )
+        self.runner = StageRunner(module, manifest.optimizer, microbatch_size=manifest.batch.microbatch_size)
+        self.transport = TensorTransport(await node.p2p(), cfg.transport)
+        await self.transport.serve(handler_name(manifest.run_id), self._handle)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._loop.add_signal_handler(sig, self._stop.set)
+            except (ValueError, RuntimeError):  # not the main thread: stop() is the way out
+                pass
+        self._since = get_dht_time()
+        await self._heartbeat()
+        logger.info(
+            "serving stage %d (blocks %d-%d) of run %s as %s",
+            self.stage,
+            start,
+            end - 1,
+            manifest.run_id,
+            node.peer_id,
+        )
+        self.on_serving()
+        beats = asyncio.create_task(self._heartbeats())
+        await self._stop.wait()
+        await self._drain()
+        beats.cancel()
+
+    async def _drain(self) -> None:
+        """Stop taking new work, let in-flight microbatches finish, announce we are leaving."""
+        self.state = "draining"
+        await self._heartbeat()
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        logger.info("stage %d left the swarm (%d microbatches served)", self.stage, self.served)
+
+    def record(self) -> PeerRecord:
+        device = self.config.device
+        if device.startswith("cuda"):
+            device = f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+        return PeerRecord(
+            peer_id=self.node.peer_id,
+            role="stage",
+            stage=self.stage,
+            state=self.state,
+            device=device,
+            version=swarmtrain.__version__,
+            served=self.served,
+            since=self._since,
+        )
+
+    async def _heartbeat(self) -> None:
+        if self.state in ("joining", "standby"):
+            # A stage already served by another peer keeps that peer authoritative: stand by.
+            primary = stage_primaries(await self.node.peers_async(self.manifest.run_id)).get(self.stage)
+            self.state = "standby" if primary is not None and primary.peer_id != self.node.peer_id else "serving"
+            if self.state == "serving":
+                self._since = get_dht_time()
+        await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=self.config.ttl_s)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                await self._heartbeat()
+            except Exception as e:  # a DHT hiccup must not stop serving
+                logger.warning("heartbeat failed: %r", e)
+
+    # serving
+
+    async def _compute(self, fn, *args):
+        return await self._loop.run_in_executor(self._pool, fn, *args)
+
+    async def _handle(self, frame: Frame, peer: str) -> Frame:
+        run_id = self.manifest.run_id
+        if frame.run_id != run_id:
+            self.transport.strike(peer, f"frame for run {frame.run_id!r}")
+            return error_frame(run_id, f"this peer serves run {run_id!r}, not {frame.run_id!r}", retryable=False)
+        if frame.kind == "ping":
+            return Frame(kind="pong", run_id=run_id, stage=self.stage, step=self.runner.step, meta=self._status())
+        if frame.stage != self.stage:
+            self.transport.strike(peer, f"frame for stage {frame.stage}")
+            return error_frame(
+                run_id, f"this peer serves stage {self.stage}, not {frame.stage}", retryable=False, stage=self.stage
+            )
+        if frame.kind == "step":
+            return await self._on_step(frame)
+        if frame.kind != "forward":
+            return error_frame(run_id, f"stage peers do not take {frame.kind!r} frames", retryable=False)
+        if self.state == "draining":
+            return error_frame(run_id, "this peer is leaving the swarm", retryable=True, stage=self.stage)
+        self._in_flight += 1
+        try:
+            reply = await self._on_forward(frame)
+            self.served += 1
+            return reply
+        except BadFrameError as e:
+            self.failed += 1
+            self.transport.strike(peer, str(e))
+            return error_frame(run_id, f"stage {self.stage} rejected microbatch {frame.mb_id}: {e}", retryable=False)
+        except RemoteError as e:
+            self.failed += 1
+            return error_frame(run_id, str(e), retryable=e.retryable, mb_id=frame.mb_id, stage=self.stage)
+        except PeerUnreachableError as e:
+            self.failed += 1
+            return error_frame(run_id, f"stage {self.stage + 1} unreachable: {e}", retryable=True, stage=self.stage)
+        finally:
+            self._in_flight -= 1
+
+    def _status(self) -> dict:
+        return {
+            "state": self.state,
+            "served": self.served,
+            "failed": self.failed,
+            "in_flight": self._in_flight,
+            "pending": self.runner.num_pending,
+        }
+
+    async def _on_step(self, frame: Frame) -> Frame:
+        n = frame.meta.get("num_microbatches")
+        if not isinstance(n, int) or n < 1:
+            return error_frame(self.manifest.run_id, "step frame needs meta num_microbatches >= 1", retryable=False)
+        try:
+            new_step = await self._compute(self.runner.apply_step, frame.step, n)
+        except RemoteError as e:
+            return error_frame(self.manifest.run_id, f"stage {self.stage}: {e}", retryable=False, stage=self.stage)
+        return Frame(kind="step_done", run_id=self.manifest.run_id, stage=self.stage, step=new_step)
+
+    async def _on_forward(self, frame: Frame) -> Frame:
+        runner, manifest = self.runner, self.manifest
+        started = time.monotonic()
+        x, targets = frame.tensors.get("x"), frame.tensors.get("targets")
+        if x is None or targets is None:
+            raise BadFrameError("a forward frame needs tensors 'x' and 'targets'")
+        runner.check_inputs(x, targets)
+        loss_scale, budget_s = frame.meta.get("loss_scale"), frame.meta.get("budget_s")
+        if not isinstance(loss_scale, float) or not 0 < loss_scale <= 1:
+            raise BadFrameError(f"meta loss_scale must be a float in (0, 1], got {loss_scale!r}")
+        if not isinstance(budget_s, (int, float)) or budget_s <= 0:
+            raise BadFrameError(f"meta budget_s must be a positive number, got {budget_s!r}")
+        if frame.step != runner.step:
+            if runner.steps_applied == 0 and runner.num_pending == 0 and runner.num_committed == 0:
+                runner.step = frame.step  # a fresh peer adopts the run's step
+            else:
+                raise RemoteError(f"stage {self.stage} is at step {runner.step}, not {frame.step}", retryable=False)
+        mb = frame.mb_id
+        try:
+            if self.stage == manifest.num_stages - 1:
+                loss, grad_x = await self._compute(runner.forward_loss_backward, mb, x, targets, loss_scale)
+            else:
+                loss, grad_x = await self._chain(frame, x, targets, budget_s - (time.monotonic() - started))
+        except (BadFrameError, RemoteError, PeerUnreachableError):
+            raise
+        except (RuntimeError, IndexError, ValueError) as e:  # the model refused this input
+            raise BadFrameError(f"forward/backward failed on this input: {e}") from None
+        tensors = {} if grad_x is None else {"grad": grad_x}
+        meta = {"loss": loss, "service_s": time.monotonic() - started}
+        return Frame(kind="result", run_id=manifest.run_id, mb_id=mb, stage=self.stage, step=frame.step, tensors=tensors, meta=meta)
+
+    async def _chain(self, frame: Frame, x, targets, budget_s: float) -> tuple[float, torch.Tensor | None]:
+        """Forward here, then through the rest of the route; backward here with its gradient."""
+        route = str(frame.meta.get("route", "")).split()
+        if len(route) != self.manifest.num_stages:
+            raise BadFrameError(f"meta route must name {self.manifest.num_stages} peers, got {len(route)}")
+        out = await self._compute(self.runner.forward, frame.mb_id, x)
+        if not bool(torch.isfinite(out).all()):
+            self.runner.drop(frame.mb_id)
+            raise RemoteError(f"stage {self.stage} produced NaN/inf activations", retryable=False)
+        request = Frame(
+            kind="forward",
+            run_id=frame.run_id,
+            mb_id=frame.mb_id,
+            stage=self.stage + 1,
+            step=frame.step,
+            tensors={"x": out, "targets": targets},
+            meta=dict(frame.meta, budget_s=budget_s - HOP_MARGIN_S),
+        )
+        downstream = route[self.stage + 1]
+        try:
+            reply = await self.transport.call(
+                downstream, handler_name(frame.run_id), request, timeout_s=budget_s - HOP_MARGIN_S
+            )
+            grad, loss = reply.tensors.get("grad"), reply.meta.get("loss")
+            if grad is None or not isinstance(loss, float):
+                raise BadFrameError("the reply lacks a gradient or a loss")
+            grad_x = await self._compute(self.runner.backward, frame.mb_id, grad)
+            return loss, grad_x
+        except BadFrameError as e:  # the downstream peer's fault, not our caller's
+            self.transport.strike(downstream, str(e))
+            raise RemoteError(f"stage {self.stage + 1} sent a bad reply: {e}", retryable=True) from None
+        finally:
+            self.runner.drop(frame.mb_id)

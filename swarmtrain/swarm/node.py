@@ -1,0 +1,223 @@
+"""A peer's place in the swarm: its hivemind DHT node and what it reads and writes there.
+
+DHT keys (all under the run id):
+
+| key                | subkey  | value                  | expiry                        |
+|--------------------|---------|------------------------|-------------------------------|
+| `{run}.manifest`   | -       | RunManifest.to_dict()  | republished by coordinators   |
+| `{run}.peers`      | peer id | PeerRecord.to_dict()   | heartbeat TTL                 |
+| `swarmtrain.runs`  | run id  | {model, num_stages}    | republished by coordinators   |
+
+The last key lets a peer that asks for an unknown run id say which runs do exist.
+One libp2p identity per process: the DHT, the tensor streams and (later) the averagers
+share it through `replicate_p2p()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils import get_dht_time
+
+from swarmtrain.errors import ConfigError, RunNotFoundError, SwarmError
+from swarmtrain.wire.records import PeerRecord, RunManifest, check_run_id
+
+logger = logging.getLogger(__name__)
+
+RUNS_KEY = "swarmtrain.runs"
+MADDR_PATTERN = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/[^/]+/(tcp|udp)/\d{1,5}(/quic|/quic-v1)?/p2p/\w+$")
+
+
+def manifest_key(run_id: str) -> str:
+    return f"{run_id}.manifest"
+
+
+def peers_key(run_id: str) -> str:
+    return f"{run_id}.peers"
+
+
+def check_initial_peers(addrs: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """Validate --initial-peers multiaddrs; raises ConfigError naming the bad one."""
+    out = []
+    for addr in addrs:
+        for part in str(addr).replace(",", " ").split():
+            if not MADDR_PATTERN.match(part):
+                raise ConfigError(
+                    f"--initial-peers {part!r} is not a peer address: expected the form "
+                    "/ip4/HOST/tcp/PORT/p2p/PEER_ID, as printed by `swarmtrain coordinator`"
+                )
+            out.append(part)
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    """How a peer joins the swarm's DHT."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of peers already in the swarm; empty starts a new swarm."""
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0 to accept peers from other machines)."""
+    port: int = 0
+    """TCP port to listen on; 0 picks a free one."""
+    announce_host: str | None = None
+    """Address other peers should dial, if it differs from `host` (behind NAT, 0.0.0.0)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "initial_peers", check_initial_peers(self.initial_peers))
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+
+
+def _explain_daemon_error(e: Exception, cfg: NodeConfig) -> str:
+    text = str(e)
+    if "address already in use" in text:
+        return f"port {cfg.port} on {cfg.host} is already in use: pick another --port, or 0 for any free port"
+    if "failed to connect to bootstrap peers" in text:
+        return (
+            f"could not reach any of --initial-peers {' '.join(cfg.initial_peers)}: check that the coordinator "
+            "is running and that the address (host, port and peer id) is the one it printed"
+        )
+    if "failed to parse multiaddr" in text or "invalid p2p multiaddr" in text:
+        return f"bad peer address in {list(cfg.initial_peers)} or --host {cfg.host!r}: {text.split(': ', 1)[-1]}"
+    if "cannot assign requested address" in text or "assign requested" in text:
+        return f"cannot listen on host {cfg.host!r}: it is not an address of this machine"
+    return f"the peer-to-peer daemon failed to start: {text}"
+
+
+class SwarmNode:
+    """A started DHT node. Sync methods block; `*_async` ones await the DHT process."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        host_maddrs = [f"/ip4/{config.host}/tcp/{config.port}"]
+        announce = None
+        if config.announce_host and config.port:
+            announce = [f"/ip4/{config.announce_host}/tcp/{config.port}"]
+        try:
+            self.dht = hivemind.DHT(
+                initial_peers=list(config.initial_peers) or None,
+                host_maddrs=host_maddrs,
+                announce_maddrs=announce,
+                start=True,
+            )
+        except P2PDaemonError as e:
+            raise SwarmError(_explain_daemon_error(e, config)) from None
+        self._p2p: P2P | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    def addresses(self) -> list[str]:
+        """Multiaddrs other peers can pass as --initial-peers."""
+        return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    async def p2p(self) -> P2P:
+        """This process's handle on the DHT's libp2p daemon (same identity)."""
+        if self._p2p is None:
+            self._p2p = await self.dht.replicate_p2p()
+        return self._p2p
+
+    def shutdown(self) -> None:
+        if self.dht.is_alive():
+            self.dht.shutdown()
+
+    # manifest
+
+    def publish_manifest(self, manifest: RunManifest, *, ttl_s: float) -> None:
+        now = get_dht_time()
+        ok = self.dht.store(manifest_key(manifest.run_id), manifest.to_dict(), expiration_time=now + ttl_s)
+        summary = {"model": manifest.model, "num_stages": manifest.num_stages}
+        self.dht.store(RUNS_KEY, summary, expiration_time=now + ttl_s, subkey=manifest.run_id)
+        if not ok:
+            logger.warning("manifest of run %s was not stored in the DHT", manifest.run_id)
+
+    def known_runs(self) -> list[str]:
+        found = self.dht.get(RUNS_KEY, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return sorted(str(k) for k in found.value)
+
+    def get_manifest(self, run_id: str) -> RunManifest | None:
+        """The run's manifest, or None if the DHT has none. ConfigError if it is malformed."""
+        found = self.dht.get(manifest_key(check_run_id(run_id)), latest=True)
+        if found is None:
+            return None
+        return RunManifest.from_dict(found.value)
+
+    def require_manifest(self, run_id: str | None) -> RunManifest:
+        """The manifest of `run_id` (or of the only run, if None); RunNotFoundError otherwise."""
+        runs = self.known_runs()
+        if run_id is None:
+            if len(runs) == 1:
+                run_id = runs[0]
+            elif not runs:
+                raise RunNotFoundError(
+                    "no run is announced in this swarm yet: start one with `swarmtrain coordinator`"
+                )
+            else:
+                raise RunNotFoundError(f"this swarm has several runs ({', '.join(runs)}): choose one with --run-id")
+        manifest = self.get_manifest(run_id)
+        if manifest is None:
+            known = f"runs announced here: {', '.join(runs)}" if runs else "no run is announced here"
+            raise RunNotFoundError(f"no run {run_id!r} in this swarm ({known}): check --run-id")
+        return manifest
+
+    # membership
+
+    async def announce_async(self, run_id: str, record: PeerRecord, *, ttl_s: float) -> bool:
+        return await self.dht.store(
+            peers_key(run_id),
+            record.to_dict(),
+            expiration_time=get_dht_time() + ttl_s,
+            subkey=record.peer_id,
+            return_future=True,
+        )
+
+    def announce(self, run_id: str, record: PeerRecord, *, ttl_s: float) -> bool:
+        return self.dht.store(
+            peers_key(run_id), record.to_dict(), expiration_time=get_dht_time() + ttl_s, subkey=record.peer_id
+        )
+
+    @staticmethod
+    def _parse_peers(found) -> list[PeerRecord]:
+        if found is None or not isinstance(found.value, dict):
+            return []
+        records = []
+        for subkey, item in found.value.items():
+            try:
+                record = PeerRecord.from_dict(item.value)
+            except ConfigError as e:
+                logger.debug("ignoring malformed peer record %s: %s", subkey, e)
+                continue
+            if record.peer_id == subkey:
+                records.append(record)
+        return sorted(records, key=lambda r: (r.stage, r.peer_id))
+
+    async def peers_async(self, run_id: str) -> list[PeerRecord]:
+        return self._parse_peers(await self.dht.get(peers_key(run_id), latest=True, return_future=True))
+
+    def peers(self, run_id: str) -> list[PeerRecord]:
+        return self._parse_peers(self.dht.get(peers_key(run_id), latest=True))
+
+
+def stage_primaries(records: list[PeerRecord]) -> dict[int, PeerRecord]:
+    """The peer that serves each stage: the serving stage peer that started serving first.
+
+    Later peers of a stage stand by (state 'standby') until the primary is gone; they are
+    never routed to, so one set of parameters per stage stays authoritative.
+    """
+    primaries: dict[int, PeerRecord] = {}
+    for r in records:
+        if r.role != "stage" or r.state != "serving":
+            continue
+        best = primaries.get(r.stage)
+        if best is None or (r.since, r.peer_id) < (best.since, best.peer_id):
+            primaries[r.stage] = r
+    return primaries

@@ -1,0 +1,126 @@
+"""Byte-level training text and the random-window batches drawn from it.
+
+The default corpus is the source of Python's standard library: it is on every machine that
+runs swarmtrain, so a demo swarm needs no download. It is identical across peers only when
+they run the same Python version; trainers each draw their own batches, so that is enough.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from swarmtrain.errors import ConfigError
+
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+def _sorted_files(root: Path, *, suffix: str = "") -> list[Path]:
+    """Files under `root` ending in `suffix`, sorted by relative path, skipping test, package and hidden dirs."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        found += [Path(dirpath, f) for f in filenames if f.endswith(suffix) and not f.startswith(".")]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _concat(files: list[Path], max_bytes: int) -> bytes:
+    chunks, size = [], 0
+    for path in files:
+        if size >= max_bytes:
+            break
+        data = path.read_bytes()[: max_bytes - size]
+        chunks.append(data)
+        size += len(data)
+    return b"".join(chunks)
+
+
+def stdlib_text(max_bytes: int = 16 * 2**20) -> bytes:
+    """The first `max_bytes` of the standard library's .py sources, concatenated in sorted path order."""
+    return _concat(_sorted_files(Path(sysconfig.get_paths()["stdlib"]), suffix=".py"), max_bytes)
+
+
+def _is_text(path: Path) -> bool:
+    with path.open("rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def load_text(source: str, *, max_bytes: int = 16 * 2**20) -> bytes:
+    """Training bytes from `source`: 'stdlib', a text file, or a directory of text files.
+
+    A directory's files (binary ones, holding NUL bytes, skipped) are concatenated in sorted
+    path order. At most `max_bytes` are read. Raises ConfigError if `source` does not exist
+    or holds no text.
+    """
+    if source == "stdlib":
+        data = stdlib_text(max_bytes)
+    else:
+        path = Path(source).expanduser()
+        if path.is_file():
+            data = path.read_bytes()[:max_bytes]
+        elif path.is_dir():
+            data = _concat([p for p in _sorted_files(path) if _is_text(p)], max_bytes)
+        else:
+            raise ConfigError(f"text source {source!r} is neither 'stdlib' nor an existing file or directory")
+    if not data:
+        raise ConfigError(f"text source {source!r} holds no text: point it at a non-empty file or directory")
+    return data
+
+
+class TokenBatches:
+    """An endless iterator of (tokens, targets) microbatches of random windows of `data`.
+
+    Each item is two int64 tensors of shape (microbatch_size, seq_len); targets are the tokens
+    shifted left by one (the next byte). Windows start at uniformly random offsets drawn from a
+    torch.Generator seeded with `seed`, so the same data, sizes and seed give the same batches.
+    """
+
+    def __init__(self, data: bytes, *, seq_len: int, microbatch_size: int, seed: int):
+        for name, value in (("seq_len", seq_len), ("microbatch_size", microbatch_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if len(data) < seq_len + 1:
+            raise ConfigError(
+                f"the text holds {len(data)} bytes, too few for windows of seq_len + 1 = {seq_len + 1}: "
+                "use more text or a shorter seq_len"
+            )
+        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)
+        self.seq_len = seq_len
+        self.microbatch_size = microbatch_size
+        self._gen = torch.Generator().manual_seed(seed)
+        self._offsets = torch.arange(seq_len + 1)  # (T+1,)
+
+    def __iter__(self) -> TokenBatches:
+        return self
+
+    def __next__(self) -> tuple[Tensor, Tensor]:
+        B, T = self.microbatch_size, self.seq_len
+        starts = torch.randint(0, len(self.data) - T, (B,), generator=self._gen)  # (B,)
+        windows = self.data[starts[:, None] + self._offsets[None, :]].long()  # (B, T+1)
+        return windows[:, :-1], windows[:, 1:]  # (B, T), (B, T)
+
+
+def text_batches_for(manifest, source: str = "stdlib") -> TokenBatches:
+    """Microbatches of `source` text shaped for `manifest`'s model, in the run seed's order.
+
+    Only token models (input: (seq_len,) integer ids) can be fed text; for any other model
+    run a trainer from Python over your own data.
+    """
+    from swarmtrain.model import build_model
+
+    model = build_model(manifest.model, manifest.model_config, device="meta")
+    if len(model.input_shape) != 1 or model.input_dtype not in (torch.int64, torch.int32):
+        raise ConfigError(
+            f"model {manifest.model!r} does not take token ids, so `swarmtrain train` cannot feed it text: "
+            "run a trainer from Python over your own data (see examples/custom_model.py)"
+        )
+    return TokenBatches(
+        load_text(source),
+        seq_len=model.input_shape[0],
+        microbatch_size=manifest.batch.microbatch_size,
+        seed=manifest.seed,
+    )

@@ -1,0 +1,14 @@
+from swarmtrain.wire.frames import Frame, error_frame, read_frame, write_frame
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig, PeerRecord, RunManifest, even_split
+
+__all__ = [
+    "BatchConfig",
+    "Frame",
+    "OptimizerConfig",
+    "PeerRecord",
+    "RunManifest",
+    "error_frame",
+    "even_split",
+    "read_frame",
+    "write_frame",
+]

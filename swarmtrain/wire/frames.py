@@ -1,0 +1,216 @@
+"""Tensor frames: the one message format on swarmtrain's streams.
+
+A frame is a fixed prefix, a msgpack header and a raw payload:
+
+    magic b"STF1" | header_len: u32 LE | payload_len: u64 LE | header | payload
+
+The header names the frame's kind, run, microbatch and stage, small metadata values, and
+for each tensor its name, dtype, shape, codec and byte count; the payload is the tensors'
+bytes back to back, in header order. A reader checks the prefix against its limits before
+reading anything else, validates the whole header before reading the payload, and checks
+every tensor's byte count against its dtype and shape before making a tensor of it: a
+peer can make us reject a frame, never allocate what the header did not promise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from swarmtrain.errors import BadFrameError
+
+MAGIC = b"STF1"
+PREFIX = struct.Struct("<4sIQ")  # magic, header_len, payload_len
+MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_FRAME_BYTES = 256 * 2**20
+MAX_TENSORS = 16
+MAX_NDIM = 8
+
+FRAME_KINDS = ("forward", "result", "step", "step_done", "ping", "pong", "error")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+CODECS = ("none",)
+META_VALUE_TYPES = (int, float, str, bool, type(None))
+
+
+@dataclass(kw_only=True)
+class Frame:
+    """One request or reply. `tensors` are CPU tensors; `meta` holds small scalars only."""
+
+    kind: str
+    run_id: str
+    mb_id: str = ""
+    """Microbatch id '(trainer):(step):(n)', empty for frames about no microbatch."""
+    stage: int = -1
+    """The stage the frame is addressed to (requests) or comes from (replies)."""
+    step: int = -1
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def error_text(self) -> str:
+        return str(self.meta.get("error", "unknown error"))
+
+
+def error_frame(run_id: str, message: str, *, retryable: bool, mb_id: str = "", stage: int = -1) -> Frame:
+    """The reply a peer sends when it refuses or fails a request."""
+    return Frame(
+        kind="error",
+        run_id=run_id,
+        mb_id=mb_id,
+        stage=stage,
+        meta={"error": message, "retryable": retryable},
+    )
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_frame(frame: Frame) -> list[bytes | memoryview]:
+    """Serialize `frame` into buffers to write in order (tensor bytes are not copied)."""
+    if frame.kind not in FRAME_KINDS:
+        raise ValueError(f"unknown frame kind {frame.kind!r}")
+    specs, buffers = [], []
+    for name, t in frame.tensors.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which frames do not carry")
+        buf = _tensor_bytes(t)
+        specs.append([name, DTYPE_NAMES[t.dtype], list(t.shape), "none", buf.nbytes])
+        buffers.append(buf)
+    header = msgpack.packb(
+        {
+            "kind": frame.kind,
+            "run": frame.run_id,
+            "mb": frame.mb_id,
+            "stage": frame.stage,
+            "step": frame.step,
+            "tensors": specs,
+            "meta": frame.meta,
+        },
+        use_bin_type=True,
+    )
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(f"frame header is {len(header)} bytes, the limit is {MAX_HEADER_BYTES}")
+    payload_len = sum(b.nbytes for b in buffers)
+    return [PREFIX.pack(MAGIC, len(header), payload_len), header, *buffers]
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise BadFrameError(message)
+
+
+def parse_header(raw: bytes, payload_len: int) -> dict:
+    """Decode and validate a header; raises BadFrameError naming the first problem."""
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise BadFrameError(f"frame header is not valid msgpack ({type(e).__name__})") from None
+    _check(isinstance(header, dict), "frame header is not a mapping")
+    expected = {"kind", "run", "mb", "stage", "step", "tensors", "meta"}
+    _check(set(header) == expected, f"frame header has fields {sorted(header)}, expected {sorted(expected)}")
+    _check(header["kind"] in FRAME_KINDS, f"unknown frame kind {header['kind']!r}")
+    _check(isinstance(header["run"], str) and len(header["run"]) <= 64, "frame run id must be a short string")
+    _check(isinstance(header["mb"], str) and len(header["mb"]) <= 256, "frame microbatch id must be a short string")
+    for key in ("stage", "step"):
+        _check(isinstance(header[key], int) and not isinstance(header[key], bool), f"frame {key} must be an int")
+    meta = header["meta"]
+    _check(isinstance(meta, dict), "frame meta must be a mapping")
+    for k, v in meta.items():
+        _check(
+            isinstance(k, str) and isinstance(v, META_VALUE_TYPES), f"frame meta {k!r} must be a scalar"
+        )
+    specs = header["tensors"]
+    _check(isinstance(specs, list) and len(specs) <= MAX_TENSORS, f"a frame holds at most {MAX_TENSORS} tensors")
+    total, names = 0, set()
+    for spec in specs:
+        _check(isinstance(spec, list) and len(spec) == 5, "tensor spec must be [name, dtype, shape, codec, nbytes]")
+        name, dtype, shape, codec, nbytes = spec
+        _check(isinstance(name, str) and name not in names, f"tensor name {name!r} is not a new string")
+        names.add(name)
+        _check(dtype in DTYPES, f"tensor {name!r}: unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+        _check(codec in CODECS, f"tensor {name!r}: unknown codec {codec!r} (known: {', '.join(CODECS)})")
+        _check(
+            isinstance(shape, list)
+            and len(shape) <= MAX_NDIM
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape),
+            f"tensor {name!r}: shape must be at most {MAX_NDIM} non-negative ints, got {shape!r}",
+        )
+        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+        want = math.prod(shape) * itemsize
+        _check(
+            isinstance(nbytes, int) and nbytes == want,
+            f"tensor {name!r}: {nbytes!r} bytes do not match dtype {dtype} and shape {shape} ({want} bytes)",
+        )
+        total += want
+    _check(total == payload_len, f"frame payload is {payload_len} bytes but its tensors need {total}")
+    return header
+
+
+def decode_tensors(header: dict, payload: bytearray, *, allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors of a validated header, viewing `payload`; rejects NaN/inf unless allowed."""
+    tensors, offset = {}, 0
+    for name, dtype, shape, _codec, nbytes in header["tensors"]:
+        if nbytes:
+            t = torch.frombuffer(payload, dtype=DTYPES[dtype], count=nbytes // DTYPES[dtype].itemsize, offset=offset)
+        else:
+            t = torch.empty(0, dtype=DTYPES[dtype])
+        t = t.view(shape)
+        if t.is_floating_point() and not allow_nonfinite and not bool(torch.isfinite(t).all()):
+            raise BadFrameError(f"tensor {name!r} holds NaN or inf values")
+        tensors[name] = t
+        offset += nbytes
+    return tensors
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, allow_nonfinite: bool = False
+) -> Frame:
+    """Read one frame. Raises BadFrameError for a malformed one, IncompleteReadError on EOF."""
+    prefix = await reader.readexactly(PREFIX.size)
+    magic, header_len, payload_len = PREFIX.unpack(prefix)
+    _check(magic == MAGIC, f"not a swarmtrain frame (magic {magic!r}, expected {MAGIC!r})")
+    _check(header_len <= MAX_HEADER_BYTES, f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+    _check(
+        payload_len <= max_frame_bytes,
+        f"frame payload of {payload_len} bytes exceeds the limit of {max_frame_bytes} bytes",
+    )
+    header = parse_header(await reader.readexactly(header_len), payload_len)
+    payload = bytearray(payload_len)
+    view, got = memoryview(payload), 0
+    while got < payload_len:
+        chunk = await reader.read(min(payload_len - got, 2**20))
+        if not chunk:
+            raise asyncio.IncompleteReadError(bytes(payload[:got]), payload_len)
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    return Frame(
+        kind=header["kind"],
+        run_id=header["run"],
+        mb_id=header["mb"],
+        stage=header["stage"],
+        step=header["step"],
+        tensors=decode_tensors(header, payload, allow_nonfinite=allow_nonfinite),
+        meta=header["meta"],
+    )
+
+
+async def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:
+    for buf in encode_frame(frame):
+        writer.write(buf)
+    await writer.drain()

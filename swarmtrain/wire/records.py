@@ -1,0 +1,232 @@
+"""Typed records that travel through the DHT: the run manifest and peer announcements.
+
+Each record is a frozen dataclass with `to_dict()` (msgpack-friendly primitives) and
+`from_dict()`, which validates what came off the network and raises `ConfigError` with the
+offending field. Records are validated here, at the boundary, and trusted after that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarmtrain.errors import ConfigError
+
+WIRE_VERSION = 1
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+PEER_ROLES = ("coordinator", "stage", "trainer")
+PEER_STATES = ("joining", "standby", "serving", "draining")
+
+
+def check_run_id(run_id: str) -> str:
+    """Return `run_id` if it is a valid run id, else raise ConfigError saying what is allowed."""
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id):
+        raise ConfigError(
+            f"invalid run id {run_id!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+        )
+    return run_id
+
+
+def _from_dict(cls, data: Any, what: str):
+    """Build dataclass `cls` from a dict off the wire, rejecting unknown and missing fields."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: expected a mapping, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"{what}: unknown fields {sorted(unknown)}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ConfigError(f"{what}: {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The optimizer every stage runs over its own parameters."""
+
+    name: str = "adamw"
+    """'adamw' or 'sgd'."""
+    lr: float = 3e-3
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas (ignored by sgd)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    momentum: float = 0.0
+    """SGD momentum (ignored by adamw)."""
+
+    def __post_init__(self):
+        if self.name not in ("adamw", "sgd"):
+            raise ConfigError(f"unknown optimizer {self.name!r}: choose 'adamw' or 'sgd'")
+        if not (self.lr > 0):
+            raise ConfigError(f"learning rate must be > 0, got {self.lr}")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0 or self.momentum < 0:
+            raise ConfigError("weight_decay and momentum must be >= 0")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"betas": list(self.betas)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> OptimizerConfig:
+        return _from_dict(cls, data, "optimizer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """How much data one optimizer step sees."""
+
+    microbatch_size: int = 8
+    """Sequences per microbatch."""
+    microbatches_per_step: int = 4
+    """Microbatches accumulated into one optimizer step (the flush boundary)."""
+    max_in_flight: int = 4
+    """Microbatches a trainer keeps in the pipeline at once."""
+
+    def __post_init__(self):
+        for name in ("microbatch_size", "microbatches_per_step", "max_in_flight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> BatchConfig:
+        return _from_dict(cls, data, "batch")
+
+
+def even_split(num_blocks: int, num_stages: int) -> tuple[int, ...]:
+    """Stage boundaries for `num_stages` contiguous stages of (nearly) equal block counts.
+
+    Returns `num_stages + 1` block indices: stage k holds blocks [b[k], b[k+1]).
+    """
+    if num_stages < 1:
+        raise ConfigError(f"the number of stages must be >= 1, got {num_stages}")
+    if num_stages > num_blocks:
+        raise ConfigError(
+            f"cannot split {num_blocks} blocks into {num_stages} stages: use at most {num_blocks} stages"
+        )
+    base, extra = divmod(num_blocks, num_stages)
+    bounds = [0]
+    for k in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
+    return tuple(bounds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunManifest:
+    """Everything a peer needs to take part in a run; published by the coordinator."""
+
+    run_id: str
+    """Names the run; every DHT key and stream handler of the run is under it."""
+    model: str
+    """Model builder: a registered name ('tiny-gpt') or an import path ('pkg.module:function')."""
+    model_config: dict = field(default_factory=dict)
+    """Keyword arguments for the builder."""
+    num_blocks: int
+    """Blocks the model has (checked by every peer against the builder's output)."""
+    stage_bounds: tuple[int, ...]
+    """Stage k serves blocks [stage_bounds[k], stage_bounds[k+1])."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    seed: int = 0
+    """Run seed: block i initialised from it is bit-identical on every peer."""
+    max_steps: int = 0
+    """Steps the run aims for (0: until stopped)."""
+    wire_version: int = WIRE_VERSION
+
+    def __post_init__(self):
+        check_run_id(self.run_id)
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("manifest: model must be a builder name or an import path")
+        if not isinstance(self.model_config, dict):
+            raise ConfigError("manifest: model_config must be a mapping")
+        object.__setattr__(self, "stage_bounds", tuple(int(b) for b in self.stage_bounds))
+        b = self.stage_bounds
+        if len(b) < 2 or b[0] != 0 or b[-1] != self.num_blocks or any(x >= y for x, y in zip(b, b[1:])):
+            raise ConfigError(
+                f"manifest: stage_bounds {list(b)} must rise strictly from 0 to num_blocks={self.num_blocks}"
+            )
+        if isinstance(self.optimizer, dict):
+            object.__setattr__(self, "optimizer", OptimizerConfig.from_dict(self.optimizer))
+        if isinstance(self.batch, dict):
+            object.__setattr__(self, "batch", BatchConfig.from_dict(self.batch))
+        if self.wire_version != WIRE_VERSION:
+            raise ConfigError(
+                f"run {self.run_id!r} speaks wire version {self.wire_version}, this peer speaks {WIRE_VERSION}: "
+                "install the swarmtrain version the coordinator runs"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_bounds) - 1
+
+    def stage_span(self, stage: int) -> tuple[int, int]:
+        """Blocks [start, end) of `stage`; raises ConfigError for a stage the run does not have."""
+        if not isinstance(stage, int) or not 0 <= stage < self.num_stages:
+            raise ConfigError(
+                f"stage {stage} is out of range: run {self.run_id!r} has stages 0..{self.num_stages - 1}"
+            )
+        return self.stage_bounds[stage], self.stage_bounds[stage + 1]
+
+    def to_dict(self) -> dict:
+        return {
+            "run_id": self.run_id,
+            "model": self.model,
+            "model_config": dict(self.model_config),
+            "num_blocks": self.num_blocks,
+            "stage_bounds": list(self.stage_bounds),
+            "optimizer": self.optimizer.to_dict(),
+            "batch": self.batch.to_dict(),
+            "seed": self.seed,
+            "max_steps": self.max_steps,
+            "wire_version": self.wire_version,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RunManifest:
+        return _from_dict(cls, data, "manifest")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerRecord:
+    """What a peer announces about itself under `{run}.peers`, refreshed by heartbeats."""
+
+    peer_id: str
+    """base58 libp2p peer id; the DHT subkey is the same string."""
+    role: str
+    """One of PEER_ROLES."""
+    stage: int = -1
+    """Stage served (stage peers), else -1."""
+    state: str = "serving"
+    """One of PEER_STATES."""
+    device: str = "cpu"
+    """Device the peer computes on, e.g. 'cpu' or 'cuda:0 (NVIDIA A100)'."""
+    version: str = ""
+    """swarmtrain version of the peer."""
+    served: int = 0
+    """Microbatches served so far (forward+backward)."""
+    since: float = 0.0
+    """DHT time the peer started serving its stage; the earliest serving peer is the stage's primary."""
+
+    def __post_init__(self):
+        if self.role not in PEER_ROLES:
+            raise ConfigError(f"peer record: unknown role {self.role!r}")
+        if self.state not in PEER_STATES:
+            raise ConfigError(f"peer record: unknown state {self.state!r}")
+        if not isinstance(self.stage, int) or (self.role == "stage" and self.stage < 0):
+            raise ConfigError(f"peer record: bad stage {self.stage!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PeerRecord:
+        return _from_dict(cls, data, "peer record")

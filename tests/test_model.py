@@ -1,0 +1,245 @@
+"""Model layer: per-part seeded init, stage chains against the full model, registry errors,
+byte batches, and a reference run that learns."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from swarmtrain.errors import ConfigError, UnknownModelError
+from swarmtrain.model import (
+    GPTConfig,
+    SwarmModel,
+    build_model,
+    build_stage,
+    part_seed,
+    resolve_builder,
+)
+from swarmtrain.train.data import TokenBatches, load_text, stdlib_text
+from swarmtrain.train.reference import stage_state_dict, train_reference
+from swarmtrain.wire.records import OptimizerConfig
+
+GPT = "tiny-gpt"
+CFG = {"n_layer": 4, "n_head": 4, "d_model": 32, "seq_len": 16}
+B, T, C, V = 3, 16, 32, 256
+
+
+def full_model(seed: int, ref: str = GPT, cfg: dict = CFG) -> SwarmModel:
+    model = build_model(ref, cfg)
+    model.to_empty(device="cpu")
+    model.reset_parameters(seed)
+    return model.eval()
+
+
+def keyed_state(model: SwarmModel) -> dict[str, torch.Tensor]:
+    return {f"{k}.{n}": t for k, part in model.parts() for n, t in part.state_dict().items()}
+
+
+def block_state(state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    prefix = f"block.{i}."
+    return {k: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# A builder reached by import path: 'tests.test_model:tiny_mlp'.
+def tiny_mlp(width: int = 8, depth: int = 2) -> SwarmModel:
+    return SwarmModel(
+        embed=nn.Linear(4, width),
+        blocks=[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)],
+        head=nn.Linear(width, 1),
+        loss=nn.functional.mse_loss,
+        input_shape=(4,),
+        input_dtype=torch.float32,
+        target_shape=(1,),
+        target_dtype=torch.float32,
+    )
+
+
+def not_a_model() -> nn.Module:
+    return nn.Linear(2, 2)
+
+
+NOT_CALLABLE = 42
+
+
+def test_part_seed_is_stable_and_distinct():
+    assert part_seed(0, "block.1") == part_seed(0, "block.1")
+    seeds = {part_seed(s, k) for s in (0, 1) for k in ("embed", "block.0", "block.1", "head")}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_block_init_is_identical_in_any_stage_and_the_full_model():
+    torch.manual_seed(123)  # the global RNG must not matter
+    a = stage_state_dict(build_stage(GPT, CFG, 0, 2, seed=7))
+    torch.manual_seed(456)
+    b = stage_state_dict(build_stage(GPT, CFG, 1, 3, seed=7))
+    full = keyed_state(full_model(7))
+    assert_same(block_state(a, 1), block_state(b, 1))
+    assert_same(block_state(a, 1), block_state(full, 1))
+    assert_same({k: v for k, v in a.items() if k.startswith("embed.")},
+                {k: v for k, v in full.items() if k.startswith("embed.")})  # fmt: skip
+    # Per-part seeds: blocks differ from each other, and from the same block under another seed.
+    w = "attn.c_attn.weight"
+    assert not torch.equal(a[f"block.0.{w}"], a[f"block.1.{w}"])
+    other = stage_state_dict(build_stage(GPT, CFG, 1, 2, seed=8))
+    assert not torch.equal(other[f"block.1.{w}"], a[f"block.1.{w}"])
+
+
+def test_init_leaves_global_rng_alone():
+    before = torch.get_rng_state()
+    build_stage(GPT, CFG, 0, 4, seed=1)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_nanogpt_init_statistics():
+    s = stage_state_dict(build_stage(GPT, CFG, 0, 1, seed=0))
+    assert abs(s["block.0.mlp.c_fc.weight"].std().item() - 0.02) < 0.002
+    assert abs(s["block.0.mlp.c_proj.weight"].std().item() - 0.02 / math.sqrt(8)) < 0.0007
+    assert torch.count_nonzero(s["block.0.attn.c_attn.bias"]) == 0
+    assert torch.equal(s["block.0.ln_1.weight"], torch.ones(C))
+
+
+def test_stage_chain_matches_full_model():
+    model = full_model(3)
+    stages = [build_stage(GPT, CFG, a, b, num_blocks=4, seed=3).eval() for a, b in ((0, 1), (1, 3), (3, 4))]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (B, T), generator=gen)
+    y = torch.randint(0, V, (B, T), generator=gen)
+    with torch.no_grad():
+        h = x
+        for stage in stages:
+            h = stage(h)
+        assert torch.equal(h, model(x))
+        assert torch.equal(stages[-1].loss(h, y), model(x, y))
+    with pytest.raises(ValueError, match="computes no loss"):
+        stages[0].loss(h, y)
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "inp", "out"),
+    [
+        (0, 1, ((B, T), torch.int64), ((B, T, C), torch.float32)),
+        (1, 3, ((B, T, C), torch.float32), ((B, T, C), torch.float32)),
+        (3, 4, ((B, T, C), torch.float32), ((B, T, V), torch.float32)),
+        (0, 4, ((B, T), torch.int64), ((B, T, V), torch.float32)),
+    ],
+)
+def test_stage_specs(start, end, inp, out):
+    stage = build_stage(GPT, CFG, start, end, seed=0)
+    assert (stage.is_first, stage.is_last) == (start == 0, end == 4)
+    assert stage.input_spec(B) == inp
+    assert stage.output_spec(B) == out
+    assert stage.target_spec(B) == ((B, T), torch.int64)
+    shape, dtype = inp
+    x = torch.randint(0, V, shape) if dtype == torch.int64 else torch.randn(shape)
+    with torch.no_grad():
+        y = stage(x)
+    assert (tuple(y.shape), y.dtype) == out
+
+
+def test_stage_bounds_are_checked():
+    with pytest.raises(ConfigError, match="has 4 blocks, but the run expects 6"):
+        build_stage(GPT, CFG, 0, 2, num_blocks=6, seed=0)
+    for start, end in ((2, 2), (-1, 2), (3, 5)):
+        with pytest.raises(ConfigError, match="0 <= start < end <= 4"):
+            build_stage(GPT, CFG, start, end, seed=0)
+
+
+def test_unknown_name_lists_registered_models():
+    with pytest.raises(UnknownModelError, match=r"'tiny-gpt'.*package\.module:function"):
+        resolve_builder("gpt-5")
+    with pytest.raises(UnknownModelError, match="unknown model 'os.path.join'"):
+        resolve_builder("os.path.join")  # a dotted name is not an import path
+
+
+def test_bad_import_paths():
+    with pytest.raises(
+        UnknownModelError, match="cannot import module 'no_such_pkg_xyz.models': No module named"
+    ):
+        resolve_builder("no_such_pkg_xyz.models:build")
+    with pytest.raises(UnknownModelError, match="has no attribute 'missing'"):
+        resolve_builder("tests.test_model:missing")
+    with pytest.raises(UnknownModelError, match="not a callable"):
+        resolve_builder("tests.test_model:NOT_CALLABLE")
+    with pytest.raises(ConfigError, match="returned a Linear, not a SwarmModel"):
+        build_model("tests.test_model:not_a_model", {})
+
+
+def test_bad_options_name_the_option():
+    with pytest.raises(
+        ConfigError, match=r"'tiny-gpt' does not take option 'foo'; it takes: vocab_size, seq_len"
+    ):
+        build_model(GPT, {"foo": 1})
+    with pytest.raises(ConfigError, match="does not take option 'heads'; it takes: width, depth"):
+        build_model("tests.test_model:tiny_mlp", {"heads": 2})
+    with pytest.raises(ConfigError, match="d_model=30 must be divisible by n_head=4"):
+        build_model(GPT, {"d_model": 30})
+    with pytest.raises(ConfigError, match="n_layer must be a positive integer"):
+        GPTConfig(n_layer=0)
+
+
+def test_import_path_builder_builds_stages():
+    ref = "tests.test_model:tiny_mlp"
+    stage = build_stage(ref, {"depth": 3}, 1, 3, num_blocks=3, seed=0)
+    assert stage.is_last and not stage.is_first
+    assert stage.input_spec(5) == ((5, 8), torch.float32)
+    assert stage.output_spec(5) == ((5, 1), torch.float32)
+    x = torch.randn(5, 4)
+    model = full_model(0, ref, {"depth": 3})
+    first = build_stage(ref, {"depth": 3}, 0, 1, seed=0)
+    with torch.no_grad():
+        assert torch.equal(stage(first(x)), model(x))
+
+
+def test_token_batches_are_deterministic_shifted_windows():
+    data = bytes(i % 251 for i in range(5000))
+    a = TokenBatches(data, seq_len=T, microbatch_size=4, seed=5)
+    b = TokenBatches(data, seq_len=T, microbatch_size=4, seed=5)
+    c = TokenBatches(data, seq_len=T, microbatch_size=4, seed=6)
+    for _ in range(3):
+        (xa, ya), (xb, yb), (xc, _) = next(a), next(b), next(c)
+        assert xa.shape == ya.shape == (4, T) and xa.dtype == ya.dtype == torch.int64
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert not torch.equal(xa, xc)
+        assert torch.equal(ya, (xa + 1) % 251)  # the next byte of each window
+    with pytest.raises(ConfigError, match="too few"):
+        TokenBatches(b"x" * T, seq_len=T, microbatch_size=1, seed=0)
+
+
+def test_load_text(tmp_path):
+    assert len(stdlib_text(10_000)) == 10_000
+    with pytest.raises(ConfigError, match="neither 'stdlib' nor an existing file"):
+        load_text(str(tmp_path / "nope.txt"))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ConfigError, match="holds no text"):
+        load_text(str(tmp_path / "empty.txt"))
+    (tmp_path / "b.txt").write_bytes(b"world")
+    (tmp_path / "a.txt").write_bytes(b"hello ")
+    (tmp_path / "blob.bin").write_bytes(b"\0\1\2")
+    assert load_text(str(tmp_path)) == b"hello world"
+
+
+def test_reference_training_reduces_loss():
+    batches = TokenBatches(stdlib_text(2**20), seq_len=T, microbatch_size=8, seed=0)
+    result = train_reference(
+        model=GPT,
+        model_config=CFG,
+        seed=0,
+        optimizer=OptimizerConfig(lr=3e-3),
+        batches=batches,
+        steps=30,
+        microbatches_per_step=2,
+    )
+    assert len(result.losses) == 30
+    assert abs(result.losses[0] - math.log(V)) < 0.3  # starts near uniform over bytes
+    assert sum(result.losses[-5:]) / 5 < result.losses[0] - 1.0
+    assert "block.3.attn.c_attn.weight" in result.state and "head.lm_head.weight" in result.state
+    assert result.state.keys() == keyed_state(full_model(0)).keys()
