@@ -164,18 +164,22 @@ class LocalSwarm:
         return self._wait_file(name, self.log_dir / f"{name}.ready")
 
     def signal(self, name: str, sig: int = signal.SIGTERM) -> None:
-        """Send `sig` to every process of peer `name` (its DHT process and daemon too)."""
+        """Send `sig` to peer `name`: SIGKILL goes to its whole process group (its DHT process
+        and daemon die with it, as on a lost machine), other signals to the peer process alone."""
         proc = self.procs[name]
-        if proc.poll() is None:
-            try:
+        try:
+            if sig == signal.SIGKILL:
                 os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
+            elif proc.poll() is None:
+                proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every peer, wait up to `timeout_s`, then SIGKILL what is left."""
-        for name in self.procs:
-            self.signal(name, signal.SIGTERM)
+        """SIGTERM every peer, wait up to `timeout_s`, then SIGKILL what is left of its group."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()  # the leader alone: it shuts its DHT process and daemon down itself
         deadline = time.monotonic() + timeout_s
         for proc in self.procs.values():
             try:

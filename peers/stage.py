@@ -26,6 +26,7 @@ import swarmtrain
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
 from swarmtrain.model import build_stage
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_primaries
+from swarmtrain.train.reference import stage_state_dict
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame, error_frame
@@ -155,7 +156,10 @@ class StagePeer:
     async def _drain(self) -> None:
         """Stop taking new work, let in-flight microbatches finish, announce we are leaving."""
         self.state = "draining"
-        await self._heartbeat()
+        try:
+            await asyncio.wait_for(self._heartbeat(), timeout=2.0)
+        except Exception as e:  # leaving anyway: the TTL will retire our record
+            logger.warning("could not announce draining: %r", e)
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -189,7 +193,7 @@ class StagePeer:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             try:
-                await self._heartbeat()
+                await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
             except Exception as e:  # a DHT hiccup must not stop serving
                 logger.warning("heartbeat failed: %r", e)
 
@@ -212,6 +216,9 @@ class StagePeer:
             )
         if frame.kind == "step":
             return await self._on_step(frame)
+        if frame.kind == "state":
+            state = await self._compute(stage_state_dict, self.runner.module)
+            return Frame(kind="state_data", run_id=run_id, stage=self.stage, step=self.runner.step, tensors=state)
         if frame.kind != "forward":
             return error_frame(run_id, f"stage peers do not take {frame.kind!r} frames", retryable=False)
         if self.state == "draining":

@@ -96,10 +96,26 @@ class Trainer:
         return TensorTransport(await self.node.p2p(), self.config.transport)
 
     def close(self) -> None:
-        if hasattr(self, "node"):
-            self.node.shutdown()
+        """Close the streams, then the DHT node; safe to call twice."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._aclose(), timeout=10)
+        except Exception as e:
+            logger.debug("trainer close: %r", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._loop.close()
+        if hasattr(self, "node"):
+            self.node.shutdown()
+
+    async def _aclose(self) -> None:
+        if hasattr(self, "node"):
+            await self.node.close_p2p()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     def __enter__(self) -> Trainer:
         return self
@@ -138,6 +154,20 @@ class Trainer:
         if len(steps) > 1:
             raise StepFailedError(f"the stages are at different steps {sorted(steps)}: restart the run")
         self.step = steps.pop() if steps else 0
+
+    def fetch_states(self) -> list[dict[str, torch.Tensor]]:
+        """Each stage's parameters, keyed like `swarmtrain.train.reference` keys them."""
+        return self._run(self._fetch_states())
+
+    async def _fetch_states(self) -> list[dict[str, torch.Tensor]]:
+        route = await self._route()
+
+        async def fetch(stage: int, peer: str) -> dict[str, torch.Tensor]:
+            frame = Frame(kind="state", run_id=self.manifest.run_id, stage=stage)
+            reply = await self.transport.call(peer, handler_name(self.manifest.run_id), frame, timeout_s=60)
+            return {k: v.clone() for k, v in reply.tensors.items()}
+
+        return list(await asyncio.gather(*(fetch(k, p) for k, p in enumerate(route))))
 
     # training
 

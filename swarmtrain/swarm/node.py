@@ -124,6 +124,12 @@ class SwarmNode:
             self._p2p = await self.dht.replicate_p2p()
         return self._p2p
 
+    async def close_p2p(self) -> None:
+        """Close this process's P2P handle (the daemon itself belongs to the DHT process)."""
+        if self._p2p is not None:
+            p2p, self._p2p = self._p2p, None
+            await p2p.shutdown()
+
     def shutdown(self) -> None:
         if self.dht.is_alive():
             self.dht.shutdown()

@@ -93,7 +93,10 @@ class TensorTransport:
 
     async def _answer(self, peer: str, reader: asyncio.StreamReader, handler: Handler) -> Frame | None:
         if self.is_banned(peer):
-            return error_frame("", "you are banned by this peer for sending bad frames", retryable=False)
+            left = self._banned_until[peer] - time.monotonic()
+            return error_frame(
+                "", f"this peer bans you for another {left:.0f} s after repeated bad frames", retryable=False
+            )
         try:
             request = await asyncio.wait_for(
                 read_frame(reader, max_frame_bytes=self.config.max_frame_bytes), self.config.read_timeout_s

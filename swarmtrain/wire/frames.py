@@ -27,12 +27,13 @@ from swarmtrain.errors import BadFrameError
 
 MAGIC = b"STF1"
 PREFIX = struct.Struct("<4sIQ")  # magic, header_len, payload_len
-MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 256 * 1024
 DEFAULT_MAX_FRAME_BYTES = 256 * 2**20
-MAX_TENSORS = 16
+MAX_TENSORS = 1024
+"""Enough for a stage's whole state in one frame (kind 'state_data')."""
 MAX_NDIM = 8
 
-FRAME_KINDS = ("forward", "result", "step", "step_done", "ping", "pong", "error")
+FRAME_KINDS = ("forward", "result", "step", "step_done", "ping", "pong", "state", "state_data", "error")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -143,7 +144,10 @@ def parse_header(raw: bytes, payload_len: int) -> dict:
         name, dtype, shape, codec, nbytes = spec
         _check(isinstance(name, str) and name not in names, f"tensor name {name!r} is not a new string")
         names.add(name)
-        _check(dtype in DTYPES, f"tensor {name!r}: unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+        _check(
+            isinstance(dtype, str) and dtype in DTYPES,  # a list or map here is unhashable, not a TypeError
+            f"tensor {name!r}: unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})",
+        )
         _check(codec in CODECS, f"tensor {name!r}: unknown codec {codec!r} (known: {', '.join(CODECS)})")
         _check(
             isinstance(shape, list)

@@ -39,7 +39,9 @@ def _from_dict(cls, data: Any, what: str):
         raise ConfigError(f"{what}: unknown fields {sorted(unknown)}")
     try:
         return cls(**data)
-    except TypeError as e:
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # e.g. int("a") while __post_init__ normalises a field
         raise ConfigError(f"{what}: {e}") from None
 
 

@@ -1,0 +1,88 @@
+"""Real swarms on 127.0.0.1: a coordinator and stage peers as separate processes, a trainer
+in this process, real hivemind DHTs and P2P streams."""
+
+import pytest
+import torch
+
+from swarmtrain.errors import SwarmError
+from swarmtrain.peers.trainer import StepFailedError
+from swarmtrain.train.data import TokenBatches, stdlib_text
+from swarmtrain.train.reference import train_reference
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from tests.conftest import TINY_GPT
+
+pytestmark = pytest.mark.swarm
+
+SEED = 7
+STEPS = 4
+OPTIMIZER = OptimizerConfig(name="adamw", lr=1e-2)
+BATCH = BatchConfig(microbatch_size=4, microbatches_per_step=3, max_in_flight=3)
+
+# Stated tolerance of the parity test. The swarm sums a step's microbatch gradients in the
+# order they complete, the reference in index order, so float rounding differs slightly;
+# AdamW then turns rounding-level differences into parameter differences of about lr * 1e-4.
+LOSS_RTOL = 1e-4
+PARAM_ATOL = 1e-4
+
+
+def batches():
+    return TokenBatches(stdlib_text(2**20), seq_len=TINY_GPT["seq_len"], microbatch_size=BATCH.microbatch_size, seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_reference(
+        model="tiny-gpt",
+        model_config=TINY_GPT,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batches=batches(),
+        steps=STEPS,
+        microbatches_per_step=BATCH.microbatches_per_step,
+    )
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_loss_and_parameter_parity_with_single_process(local_swarm, reference, num_stages):
+    swarm = local_swarm(
+        model_config=TINY_GPT, num_stages=num_stages, seed=SEED, optimizer=OPTIMIZER, batch=BATCH
+    )
+    with swarm.trainer() as trainer:
+        results = list(trainer.train(batches(), steps=STEPS))
+        states = trainer.fetch_states()
+
+    assert [r.step for r in results] == list(range(STEPS))
+    losses = [r.loss for r in results]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), rtol=LOSS_RTOL, atol=0)
+    assert losses[-1] < losses[0]  # it trained, not just matched
+
+    merged = {}
+    for state in states:
+        assert not set(state) & set(merged), "two stages hold the same parameter"
+        merged.update(state)
+    assert set(merged) == set(reference.state)
+    for key, value in reference.state.items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=PARAM_ATOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_bad_microbatch_fails_the_step_with_a_clear_message(local_swarm):
+    swarm = local_swarm(model_config=TINY_GPT, num_stages=2, seed=SEED, optimizer=OPTIMIZER, batch=BATCH)
+    wrong_length = TokenBatches(
+        stdlib_text(2**20), seq_len=TINY_GPT["seq_len"] + 1, microbatch_size=BATCH.microbatch_size, seed=SEED
+    )
+    with swarm.trainer() as trainer:
+        with pytest.raises(StepFailedError, match=r"stage 0 rejected .*shape \(4, 17\).*expects \('B', 16\)"):
+            next(trainer.train(wrong_length, steps=1))
+    # The stage peer kept serving; it banned the peer that sent the bad frames, not others.
+    with swarm.trainer() as trainer:
+        result = next(trainer.train(batches(), steps=1))
+        assert result.step == 0 and result.loss > 0
+
+
+def test_trainer_for_unknown_run_says_which_runs_exist(local_swarm):
+    swarm = local_swarm(run_id="alpha", model_config=TINY_GPT, num_stages=2)
+    from swarmtrain.peers.trainer import Trainer, TrainerConfig
+    from swarmtrain.swarm import NodeConfig
+
+    with pytest.raises(SwarmError, match=r"no run 'beta'.*alpha"):
+        Trainer(TrainerConfig(node=NodeConfig(initial_peers=(swarm.address,)), run_id="beta"))

@@ -1,0 +1,544 @@
+"""Wire layer: tensor frames through a real asyncio.StreamReader, every rejection a reader
+makes before it trusts a header or allocates a payload, and the DHT records' validation."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmtrain.errors import BadFrameError, ConfigError
+from swarmtrain.wire import frames
+from swarmtrain.wire.frames import (
+    DTYPES,
+    FRAME_KINDS,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_NDIM,
+    PREFIX,
+    Frame,
+    encode_frame,
+    error_frame,
+    read_frame,
+    write_frame,
+)
+from swarmtrain.wire.records import (
+    WIRE_VERSION,
+    BatchConfig,
+    OptimizerConfig,
+    PeerRecord,
+    RunManifest,
+    even_split,
+)
+
+# helpers
+
+
+def encoded(frame: Frame) -> bytes:
+    return b"".join(bytes(b) for b in encode_frame(frame))
+
+
+def read_bytes(data: bytes, **kw) -> Frame:
+    """Read one frame from a real StreamReader fed exactly `data`, then EOF."""
+
+    async def go() -> Frame:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_frame(reader, **kw)
+
+    return asyncio.run(go())
+
+
+def left_after_rejection(data: bytes, **kw) -> bytes:
+    """What is still unread in a stream holding `data` after read_frame rejected it."""
+
+    async def go() -> bytes:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        with pytest.raises(BadFrameError):
+            await read_frame(reader, **kw)
+        return await reader.read()
+
+    return asyncio.run(go())
+
+
+def rejects(data: bytes, match: str, **kw) -> None:
+    """A stream holding `data` then EOF is refused with BadFrameError (not IncompleteReadError).
+
+    Callers pass only the bytes before the payload where the rejection must come from the prefix
+    or header: had the reader asked for more it would have hit EOF instead.
+    """
+    with pytest.raises(BadFrameError, match=match):
+        read_bytes(data, **kw)
+
+
+def header(**overrides) -> dict:
+    fields = {"kind": "forward", "run": "run-1", "mb": "t:0:0", "stage": 1, "step": 0, "tensors": [], "meta": {}}
+    return fields | overrides
+
+
+def raw_frame(hdr: dict | bytes, payload_len: int, payload: bytes = b"") -> bytes:
+    raw = hdr if isinstance(hdr, bytes) else msgpack.packb(hdr, use_bin_type=True)
+    return PREFIX.pack(MAGIC, len(raw), payload_len) + raw + payload
+
+
+def spec(name="x", dtype="float32", shape=(2, 3), codec="none", nbytes=None) -> list:
+    if nbytes is None:
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    return [name, dtype, list(shape), codec, nbytes]
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    lo, hi = (-(2**62), 2**62) if dtype == torch.int64 else (torch.iinfo(dtype).min, torch.iinfo(dtype).max + 1)
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def assert_same_frame(a: Frame, b: Frame) -> None:
+    assert (a.kind, a.run_id, a.mb_id, a.stage, a.step, a.meta) == (b.kind, b.run_id, b.mb_id, b.stage, b.step, b.meta)
+    assert list(a.tensors) == list(b.tensors)
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        assert (u.dtype, u.shape) == (t.dtype, t.shape), name
+        assert torch.equal(u, t), name
+
+
+# frames: round trips
+
+
+def test_round_trip_of_every_dtype_with_empty_and_zero_dim_tensors():
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, dtype in DTYPES.items():
+        tensors[f"{name}.a"] = sample(dtype, (3, 5), gen)
+        tensors[f"{name}.b"] = sample(dtype, (2, 1, 4), gen)
+    tensors["empty"] = torch.empty(0, 7, dtype=torch.bfloat16)
+    tensors["scalar"] = torch.tensor(-2.5, dtype=torch.float16)
+    tensors["int_extremes"] = torch.tensor([torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max])
+    tensors["float_extremes"] = torch.tensor([torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny, -0.0])
+    tensors["odd"] = torch.arange(3, dtype=torch.uint8)  # puts the next tensor at an unaligned offset
+    tensors["after_odd"] = torch.randn(4, generator=gen)
+    tensors["strided"] = torch.randn(4, 6, generator=gen).t()  # non-contiguous
+    assert len(tensors) <= frames.MAX_TENSORS
+    meta = {"loss_scale": 0.25, "budget_s": 3, "route": "a b c", "retry": False, "none": None, "nan": math.nan}
+    frame = Frame(kind="forward", run_id="run-1", mb_id="t:3:1", stage=2, step=3, tensors=tensors, meta=meta)
+
+    got = read_bytes(encoded(frame))
+
+    meta_nan = got.meta.pop("nan")
+    assert math.isnan(meta_nan)
+    frame.meta.pop("nan")
+    assert_same_frame(frame, got)
+    assert got.tensors["scalar"].dim() == 0 and got.tensors["empty"].numel() == 0
+
+
+def test_frame_without_tensors_and_error_frames():
+    ping = Frame(kind="ping", run_id="r")
+    got = read_bytes(encoded(ping))
+    assert_same_frame(ping, got)
+    assert (got.mb_id, got.stage, got.step) == ("", -1, -1)
+
+    err = error_frame("r", "stage 1 is draining", retryable=True, mb_id="t:0:0", stage=1)
+    got = read_bytes(encoded(err))
+    assert got.kind == "error" and got.error_text() == "stage 1 is draining"
+    assert got.meta["retryable"] is True and (got.mb_id, got.stage) == ("t:0:0", 1)
+    assert Frame(kind="error", run_id="r").error_text() == "unknown error"
+
+
+def test_frames_back_to_back_on_one_stream_and_write_frame():
+    class Writer:  # the two methods write_frame uses
+        def __init__(self):
+            self.data = bytearray()
+
+        def write(self, buf):
+            self.data += buf
+
+        async def drain(self):
+            pass
+
+    a = Frame(kind="forward", run_id="r", mb_id="t:0:0", tensors={"x": torch.arange(6).view(2, 3)})
+    b = Frame(kind="result", run_id="r", mb_id="t:0:0", tensors={"grad": torch.ones(2, 3)}, meta={"loss": 1.5})
+
+    async def go():
+        writer = Writer()
+        await write_frame(writer, a)
+        await write_frame(writer, b)
+        reader = asyncio.StreamReader()
+        reader.feed_data(bytes(writer.data))
+        reader.feed_eof()
+        return await read_frame(reader), await read_frame(reader), reader.at_eof()
+
+    got_a, got_b, at_eof = asyncio.run(go())
+    assert_same_frame(a, got_a)
+    assert_same_frame(b, got_b)
+    assert at_eof
+
+
+def test_payload_arriving_in_pieces():
+    frame = Frame(kind="result", run_id="r", tensors={"g": torch.randn(64, 64)})
+    data = encoded(frame)
+
+    async def go():
+        reader = asyncio.StreamReader()
+        task = asyncio.ensure_future(read_frame(reader))
+        for i in range(0, len(data), 1000):
+            reader.feed_data(data[i : i + 1000])
+            await asyncio.sleep(0)  # let the reader consume what has arrived
+        reader.feed_eof()
+        return await task
+
+    assert_same_frame(frame, asyncio.run(go()))
+
+
+@st.composite
+def random_frames(draw) -> Frame:
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    names = draw(st.lists(st.text(min_size=1, max_size=8), min_size=0, max_size=6, unique=True))
+    tensors = {}
+    for name in names:
+        dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
+        shape = tuple(draw(st.lists(st.integers(0, 5), max_size=4)))
+        tensors[name] = sample(dtype, shape, gen)
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=10))
+    meta = draw(st.dictionaries(st.text(max_size=6), scalars, max_size=4))
+    return Frame(
+        kind=draw(st.sampled_from(FRAME_KINDS)),
+        run_id=draw(st.text(max_size=64)),
+        mb_id=draw(st.text(max_size=20)),
+        stage=draw(st.integers(-1, 64)),
+        step=draw(st.integers(-1, 2**40)),
+        tensors=tensors,
+        meta=meta,
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(random_frames())
+def test_round_trip_property(frame):
+    assert_same_frame(frame, read_bytes(encoded(frame)))
+
+
+def test_encode_refuses_what_frames_do_not_carry():
+    with pytest.raises(ValueError, match="unknown frame kind 'bogus'"):
+        encode_frame(Frame(kind="bogus", run_id="r"))
+    with pytest.raises(ValueError, match="tensor 'x' has dtype torch.float64"):
+        encode_frame(Frame(kind="forward", run_id="r", tensors={"x": torch.zeros(2, dtype=torch.float64)}))
+
+
+# frames: rejections
+
+
+def test_wrong_magic():
+    data = encoded(Frame(kind="ping", run_id="r"))
+    rejects(b"HTTP" + data[4:PREFIX.size], r"not a swarmtrain frame \(magic b'HTTP', expected b'STF1'\)")
+
+
+def test_header_len_over_the_limit_is_refused_from_the_prefix_alone():
+    rejects(PREFIX.pack(MAGIC, MAX_HEADER_BYTES + 1, 0), f"header of {MAX_HEADER_BYTES + 1} bytes exceeds")
+
+
+def test_payload_over_max_frame_bytes_is_refused_before_reading_or_allocating_it(monkeypatch):
+    hdr = header(tensors=[spec(shape=(1024, 1024))])  # 4 MiB promised
+    data = raw_frame(hdr, 4 * 2**20)
+    allocated = []
+
+    def spy_bytearray(*args):
+        allocated.append(args)
+        return bytearray(*args)
+
+    monkeypatch.setattr(frames, "bytearray", spy_bytearray, raising=False)
+    rejects(data, r"payload of 4194304 bytes exceeds the limit of 1048576 bytes", max_frame_bytes=2**20)
+    assert allocated == []
+    # Refused from the prefix alone: the header is still unread in the stream.
+    assert left_after_rejection(data, max_frame_bytes=2**20) == data[PREFIX.size :]
+    # Within the limit, the same header leads to a read of the payload.
+    with pytest.raises(asyncio.IncompleteReadError):
+        read_bytes(data, max_frame_bytes=4 * 2**20)
+    assert allocated == [(4 * 2**20,)]
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"\xc1", "not valid msgpack"),
+        (b"", "not valid msgpack"),
+        (msgpack.packb(header()) + b"\x00", "not valid msgpack"),  # trailing bytes
+        (msgpack.packb([1, 2, 3]), "not a mapping"),
+    ],
+)
+def test_header_not_msgpack(raw, match):
+    rejects(raw_frame(raw, 0), match)
+
+
+def test_header_fields_missing_or_extra():
+    hdr = header()
+    del hdr["mb"]
+    rejects(raw_frame(hdr, 0), r"frame header has fields \['kind', 'meta', 'run', 'stage', 'step', 'tensors'\]")
+    rejects(raw_frame(header(extra=1), 0), r"has fields \[.*'extra'.*\], expected")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"kind": "launch"}, "unknown frame kind 'launch'"),
+        ({"kind": ["ping"]}, r"unknown frame kind \['ping'\]"),
+        ({"run": 5}, "run id must be a short string"),
+        ({"run": "r" * 65}, "run id must be a short string"),
+        ({"mb": None}, "microbatch id must be a short string"),
+        ({"stage": "1"}, "frame stage must be an int"),
+        ({"step": True}, "frame step must be an int"),
+        ({"meta": [1]}, "frame meta must be a mapping"),
+        ({"meta": {"route": ["a", "b"]}}, "frame meta 'route' must be a scalar"),
+        ({"meta": {"cfg": {"a": 1}}}, "frame meta 'cfg' must be a scalar"),
+        ({"tensors": {"x": 1}}, "at most .* tensors"),
+    ],
+)
+def test_bad_header_values(overrides, match):
+    rejects(raw_frame(header(**overrides), 0), match)
+
+
+def test_too_many_tensors():
+    n = frames.MAX_TENSORS + 1
+    specs = [spec(name=f"t{i}", dtype="uint8", shape=(0,)) for i in range(n)]
+    rejects(raw_frame(header(tensors=specs), 0), f"a frame holds at most {frames.MAX_TENSORS} tensors")
+
+
+@pytest.mark.parametrize(
+    ("bad_spec", "match"),
+    [
+        (["x", "float32", [2]], r"tensor spec must be \[name, dtype, shape, codec, nbytes\]"),
+        ("x", r"tensor spec must be"),
+        (["x", "float64", [2, 3], "none", 48], r"unsupported dtype 'float64' \(supported: float32, float16, "),
+        (["x", ["float32"], [2, 3], "none", 24], r"tensor 'x': unsupported dtype \['float32'\]"),
+        (["x", {"a": 1}, [2, 3], "none", 24], r"tensor 'x': unsupported dtype \{'a': 1\}"),
+        (spec(codec="zstd"), r"tensor 'x': unknown codec 'zstd' \(known: none\)"),
+        (["x", "float32", [2, -3], "none", 0], r"shape must be at most 8 non-negative ints, got \[2, -3\]"),
+        (["x", "float32", [1] * (MAX_NDIM + 1), "none", 4], "shape must be at most 8 non-negative ints"),
+        (["x", "float32", [2.0, 3], "none", 24], r"got \[2\.0, 3\]"),
+        (["x", "float32", [True], "none", 4], r"got \[True\]"),
+        (["x", "float32", "2x3", "none", 24], "shape must be"),
+        (["x", "float32", [2**31], "none", 2**33], "shape must be"),
+        (spec(nbytes=20), r"tensor 'x': 20 bytes do not match dtype float32 and shape \[2, 3\] \(24 bytes\)"),
+        (spec(nbytes=24.0), "24.0 bytes do not match"),
+        (spec(dtype="bfloat16", nbytes=24), r"24 bytes do not match dtype bfloat16 and shape \[2, 3\] \(12 bytes\)"),
+        ([7, "float32", [2, 3], "none", 24], "tensor name 7 is not a new string"),
+    ],
+)
+def test_bad_tensor_specs(bad_spec, match):
+    rejects(raw_frame(header(tensors=[bad_spec]), 0), match)  # specs are checked before the payload size
+
+
+def test_duplicate_tensor_names():
+    rejects(raw_frame(header(tensors=[spec(), spec()]), 48), "tensor name 'x' is not a new string")
+
+
+def test_payload_length_must_equal_the_tensors_sum():
+    specs = [spec(name="a"), spec(name="b", dtype="int64", shape=(4,))]  # 24 + 32 bytes
+    rejects(raw_frame(header(tensors=specs), 57), "frame payload is 57 bytes but its tensors need 56")
+    rejects(raw_frame(header(tensors=specs), 55), "frame payload is 55 bytes but its tensors need 56")
+    rejects(raw_frame(header(), 8), "frame payload is 8 bytes but its tensors need 0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_floats_are_refused_unless_allowed(dtype, bad):
+    t = torch.ones(2, 3, dtype=dtype)
+    t[1, 2] = bad
+    data = encoded(Frame(kind="result", run_id="r", tensors={"ok": torch.ones(2), "grad": t}))
+    rejects(data, "tensor 'grad' holds NaN or inf values")
+    got = read_bytes(data, allow_nonfinite=True).tensors["grad"]
+    assert torch.equal(got.isnan(), t.isnan()) and torch.equal(got.isinf(), t.isinf())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(t))
+
+
+@pytest.mark.parametrize("cut", ["prefix", "header", "payload", "last_byte"])
+def test_truncated_stream_raises_incomplete_read(cut):
+    frame = Frame(kind="forward", run_id="r", mb_id="t:0:0", tensors={"x": torch.randn(4, 4)}, meta={"a": 1})
+    data = encoded(frame)
+    header_len = struct.unpack_from("<I", data, 4)[0]
+    end = {
+        "prefix": PREFIX.size - 1,
+        "header": PREFIX.size + header_len - 1,
+        "payload": PREFIX.size + header_len + 10,
+        "last_byte": len(data) - 1,
+    }[cut]
+    with pytest.raises(asyncio.IncompleteReadError):
+        read_bytes(data[:end])
+    with pytest.raises(asyncio.IncompleteReadError):
+        read_bytes(b"")
+
+
+# records
+
+
+def manifest(**overrides) -> RunManifest:
+    fields = dict(
+        run_id="demo-1",
+        model="tiny-gpt",
+        model_config={"n_layer": 4, "d_model": 32},
+        num_blocks=4,
+        stage_bounds=(0, 2, 3, 4),
+        optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9),
+        batch=BatchConfig(microbatch_size=2, microbatches_per_step=3, max_in_flight=2),
+        seed=7,
+        max_steps=10,
+    )
+    return RunManifest(**(fields | overrides))
+
+
+def test_manifest_round_trip_through_msgpack():
+    m = manifest()
+    data = msgpack.unpackb(msgpack.packb(m.to_dict(), use_bin_type=True), raw=False)
+    back = RunManifest.from_dict(data)
+    assert back == m
+    assert back.stage_bounds == (0, 2, 3, 4) and back.optimizer.betas == (0.9, 0.95)
+    assert isinstance(back.optimizer, OptimizerConfig) and isinstance(back.batch, BatchConfig)
+    assert back.num_stages == 3 and back.wire_version == WIRE_VERSION
+    assert [back.stage_span(k) for k in range(3)] == [(0, 2), (2, 3), (3, 4)]
+
+
+def test_manifest_from_dict_rejects_unknown_missing_and_malformed_fields():
+    data = manifest().to_dict()
+    with pytest.raises(ConfigError, match=r"manifest: unknown fields \['bogus'\]"):
+        RunManifest.from_dict(data | {"bogus": 1})
+    missing = dict(data)
+    del missing["num_blocks"]
+    with pytest.raises(ConfigError, match="manifest: .*num_blocks"):
+        RunManifest.from_dict(missing)
+    with pytest.raises(ConfigError, match="manifest: expected a mapping, got list"):
+        RunManifest.from_dict([data])
+    with pytest.raises(ConfigError, match=r"optimizer: unknown fields \['nesterov'\]"):
+        RunManifest.from_dict(data | {"optimizer": data["optimizer"] | {"nesterov": True}})
+    with pytest.raises(ConfigError, match="microbatch_size must be a positive integer, got 0"):
+        RunManifest.from_dict(data | {"batch": data["batch"] | {"microbatch_size": 0}})
+    # Values that fail while being normalised still come back as ConfigError.
+    with pytest.raises(ConfigError, match="manifest: invalid literal for int"):
+        RunManifest.from_dict(data | {"stage_bounds": [0, "a", 4]})
+    with pytest.raises(ConfigError, match="manifest: "):
+        RunManifest.from_dict(data | {"stage_bounds": 4})
+    with pytest.raises(ConfigError, match="optimizer: could not convert"):
+        OptimizerConfig.from_dict({"betas": ["a", 0.9]})
+
+
+@pytest.mark.parametrize("bounds", [(0, 2), (1, 2, 4), (0, 2, 2, 4), (0, 3, 2, 4), (0,), (0, 5)])
+def test_bad_stage_bounds(bounds):
+    with pytest.raises(ConfigError, match=r"stage_bounds \[.*\] must rise strictly from 0 to num_blocks=4"):
+        manifest(stage_bounds=bounds)
+
+
+@pytest.mark.parametrize("run_id", ["", "-demo", ".x", "a b", "run/1", "r" * 65, 5, None])
+def test_bad_run_id(run_id):
+    with pytest.raises(ConfigError, match="invalid run id .*1-64 letters, digits"):
+        manifest(run_id=run_id)
+
+
+def test_good_run_ids():
+    for run_id in ("a", "R2-d2_v1.0", "9" + "x" * 63):
+        assert manifest(run_id=run_id).run_id == run_id
+
+
+def test_wrong_wire_version_says_what_to_install():
+    data = manifest().to_dict() | {"wire_version": WIRE_VERSION + 1}
+    with pytest.raises(
+        ConfigError,
+        match=f"run 'demo-1' speaks wire version {WIRE_VERSION + 1}, this peer speaks {WIRE_VERSION}: install",
+    ):
+        RunManifest.from_dict(data)
+
+
+@pytest.mark.parametrize("stage", [-1, 3, 10, "1", 1.0])
+def test_stage_span_out_of_range(stage):
+    with pytest.raises(ConfigError, match=f"stage {stage} is out of range: run 'demo-1' has stages 0..2"):
+        manifest().stage_span(stage)
+
+
+def test_manifest_model_fields():
+    with pytest.raises(ConfigError, match="model must be a builder name"):
+        manifest(model="")
+    with pytest.raises(ConfigError, match="model_config must be a mapping"):
+        manifest(model_config=[("n_layer", 4)])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 64).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n))))
+def test_even_split_property(blocks_stages):
+    num_blocks, num_stages = blocks_stages
+    b = even_split(num_blocks, num_stages)
+    sizes = [y - x for x, y in zip(b, b[1:], strict=False)]
+    assert len(b) == num_stages + 1 and b[0] == 0 and b[-1] == num_blocks
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    manifest(num_blocks=num_blocks, stage_bounds=b)  # a valid manifest split
+
+
+def test_even_split_examples_and_errors():
+    assert even_split(4, 1) == (0, 4)
+    assert even_split(4, 4) == (0, 1, 2, 3, 4)
+    assert even_split(10, 3) == (0, 4, 7, 10)
+    with pytest.raises(ConfigError, match="cannot split 3 blocks into 4 stages: use at most 3 stages"):
+        even_split(3, 4)
+    with pytest.raises(ConfigError, match="number of stages must be >= 1, got 0"):
+        even_split(3, 0)
+
+
+def test_optimizer_config():
+    cfg = OptimizerConfig(betas=[0.8, 0.99])
+    assert cfg.betas == (0.8, 0.99) and cfg.to_dict()["betas"] == [0.8, 0.99]
+    assert OptimizerConfig.from_dict(cfg.to_dict()) == cfg
+    for kwargs, match in [
+        ({"name": "adam"}, "unknown optimizer 'adam': choose 'adamw' or 'sgd'"),
+        ({"lr": 0.0}, "learning rate must be > 0, got 0.0"),
+        ({"lr": -1e-3}, "learning rate must be > 0"),
+        ({"lr": math.nan}, "learning rate must be > 0, got nan"),
+        ({"betas": (0.9, 1.0)}, r"betas must be two numbers in \[0, 1\), got \(0.9, 1.0\)"),
+        ({"betas": (0.9,)}, "betas must be two numbers"),
+        ({"betas": (0.9, 0.95, 0.99)}, "betas must be two numbers"),
+        ({"betas": (-0.1, 0.9)}, "betas must be two numbers"),
+        ({"weight_decay": -0.1}, "weight_decay and momentum must be >= 0"),
+        ({"momentum": -0.5}, "weight_decay and momentum must be >= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            OptimizerConfig(**kwargs)
+    with pytest.raises(ConfigError, match=r"optimizer: unknown fields \['eps'\]"):
+        OptimizerConfig.from_dict({"eps": 1e-8})
+
+
+def test_batch_config():
+    cfg = BatchConfig(microbatch_size=3, microbatches_per_step=5, max_in_flight=2)
+    assert BatchConfig.from_dict(cfg.to_dict()) == cfg
+    for name in ("microbatch_size", "microbatches_per_step", "max_in_flight"):
+        for bad in (0, -2, 1.5, "4", None):
+            with pytest.raises(ConfigError, match=f"{name} must be a positive integer, got {bad!r}"):
+                BatchConfig(**{name: bad})
+    with pytest.raises(ConfigError, match=r"batch: unknown fields \['accum'\]"):
+        BatchConfig.from_dict({"accum": 2})
+    with pytest.raises(ConfigError, match="batch: expected a mapping, got NoneType"):
+        BatchConfig.from_dict(None)
+
+
+def test_peer_record():
+    rec = PeerRecord(peer_id="QmPeer", role="stage", stage=2, state="standby", device="cpu", served=5, since=1.5)
+    back = PeerRecord.from_dict(msgpack.unpackb(msgpack.packb(rec.to_dict()), raw=False))
+    assert back == rec
+    assert PeerRecord(peer_id="QmT", role="trainer").stage == -1
+    for kwargs, match in [
+        ({"role": "worker"}, "unknown role 'worker'"),
+        ({"role": "stage", "state": "dead"}, "unknown state 'dead'"),
+        ({"role": "stage"}, "bad stage -1"),  # a stage peer must name its stage
+        ({"role": "stage", "stage": "1"}, "bad stage '1'"),
+        ({"role": "trainer", "stage": None}, "bad stage None"),
+    ]:
+        with pytest.raises(ConfigError, match=f"peer record: {match}"):
+            PeerRecord(peer_id="QmPeer", **kwargs)
+    with pytest.raises(ConfigError, match=r"peer record: unknown fields \['addr'\]"):
+        PeerRecord.from_dict(rec.to_dict() | {"addr": "x"})
+    with pytest.raises(ConfigError, match="peer record: .*role"):
+        PeerRecord.from_dict({"peer_id": "QmPeer"})
