@@ -1,3 +1,47 @@
-"""swarmtrain: elastic, decentralized pipeline training over unreliable, unequal GPUs."""
+"""swarmtrain: elastic, decentralized pipeline training over unreliable, unequal GPUs.
+
+The public API, importable from the top level (loaded on first use, so `import swarmtrain`
+stays cheap):
+
+- models: `SwarmModel`, `register_builder`, `build_model`, `build_stage`, `GPTConfig`
+- roles: `Coordinator` / `CoordinatorConfig`, `StagePeer` / `StageConfig`,
+  `Trainer` / `TrainerConfig`, and `LocalSwarm` / `LocalSwarmConfig` for a whole swarm
+  on this machine
+- settings: `NodeConfig`, `OptimizerConfig`, `BatchConfig`, `RunManifest`
+- data: `TokenBatches`, `load_text`
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "SwarmModel": "swarmtrain.model",
+    "register_builder": "swarmtrain.model",
+    "build_model": "swarmtrain.model",
+    "build_stage": "swarmtrain.model",
+    "GPTConfig": "swarmtrain.model",
+    "Coordinator": "swarmtrain.peers.coordinator",
+    "CoordinatorConfig": "swarmtrain.peers.coordinator",
+    "StagePeer": "swarmtrain.peers.stage",
+    "StageConfig": "swarmtrain.peers.stage",
+    "Trainer": "swarmtrain.peers.trainer",
+    "TrainerConfig": "swarmtrain.peers.trainer",
+    "StepResult": "swarmtrain.peers.trainer",
+    "LocalSwarm": "swarmtrain.peers.launcher",
+    "LocalSwarmConfig": "swarmtrain.peers.launcher",
+    "NodeConfig": "swarmtrain.swarm",
+    "OptimizerConfig": "swarmtrain.wire.records",
+    "BatchConfig": "swarmtrain.wire.records",
+    "RunManifest": "swarmtrain.wire.records",
+    "TokenBatches": "swarmtrain.train.data",
+    "load_text": "swarmtrain.train.data",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'swarmtrain' has no attribute {name!r}")

@@ -15,6 +15,7 @@ share it through `replicate_p2p()`.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 from dataclasses import dataclass
@@ -30,7 +31,15 @@ from swarmtrain.wire.records import PeerRecord, RunManifest, check_run_id
 logger = logging.getLogger(__name__)
 
 RUNS_KEY = "swarmtrain.runs"
-MADDR_PATTERN = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/[^/]+/(tcp|udp)/\d{1,5}(/quic|/quic-v1)?/p2p/\w+$")
+MADDR_PATTERN = re.compile(
+    r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/(tcp|udp)/([^/]+)(?:/quic|/quic-v1)?(?:/p2p/([^/]*))?$"
+)
+"""A peer multiaddr, loosely: the parts are checked one by one so the error can name the bad one."""
+PEER_ID_PATTERN = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
+"""A libp2p peer id as libp2p prints it: base58btc, e.g. 12D3KooW... or Qm..."""
+ADDRESS_FORM = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
+GO_LOG_TIME = re.compile(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(\.\d+)? ")
+"""The timestamp Go's log package puts before the daemon's messages."""
 
 
 def manifest_key(run_id: str) -> str:
@@ -41,18 +50,50 @@ def peers_key(run_id: str) -> str:
     return f"{run_id}.peers"
 
 
+def check_peer_address(addr: str) -> str:
+    """Return `addr` if it is a peer multiaddr another peer can dial; else raise ConfigError
+    naming the part that is wrong (host, port or peer id) and the form expected."""
+    copy_hint = f"copy the whole address `swarmtrain coordinator` printed ({ADDRESS_FORM})"
+    m = MADDR_PATTERN.match(addr)
+    if m is None:
+        raise ConfigError(f"--initial-peers {addr!r} is not a peer address: {copy_hint}")
+    proto, host, _, port, peer_id = m.groups()
+    if proto in ("ip4", "ip6"):
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(
+                f"--initial-peers {addr!r}: {host!r} is not an {proto} address; {copy_hint}"
+            ) from None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--initial-peers {addr!r}: port {port!r} is not a number in 1..65535; {copy_hint}")
+    if peer_id is None:
+        raise ConfigError(
+            f"--initial-peers {addr!r} lacks the /p2p/PEER_ID part that names the peer; {copy_hint}"
+        )
+    if not PEER_ID_PATTERN.match(peer_id):
+        raise ConfigError(
+            f"--initial-peers {addr!r}: {peer_id!r} is not a peer id (base58, like 12D3KooW...); {copy_hint}"
+        )
+    return addr
+
+
 def check_initial_peers(addrs: list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """Validate --initial-peers multiaddrs; raises ConfigError naming the bad one."""
-    out = []
-    for addr in addrs:
-        for part in str(addr).replace(",", " ").split():
-            if not MADDR_PATTERN.match(part):
-                raise ConfigError(
-                    f"--initial-peers {part!r} is not a peer address: expected the form "
-                    "/ip4/HOST/tcp/PORT/p2p/PEER_ID, as printed by `swarmtrain coordinator`"
-                )
-            out.append(part)
-    return tuple(out)
+    """Validate --initial-peers multiaddrs (also comma- or space-separated in one string);
+    raises ConfigError naming the bad one."""
+    return tuple(check_peer_address(part) for addr in addrs for part in str(addr).replace(",", " ").split())
+
+
+def check_host(host: str, flag: str = "--host") -> str:
+    """Return `host` if it is an IPv4 address to listen on, else raise ConfigError."""
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ConfigError(
+            f"{flag} {host!r} is not an IPv4 address: use 127.0.0.1 (this machine only) "
+            "or 0.0.0.0 (peers on other machines too)"
+        ) from None
+    return host
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,12 +111,16 @@ class NodeConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "initial_peers", check_initial_peers(self.initial_peers))
+        check_host(self.host)
+        if self.announce_host is not None:
+            check_host(self.announce_host, "announce host")
         if not 0 <= self.port < 65536:
-            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+            raise ConfigError(f"--port must be in 0..65535 (0 picks a free port), got {self.port}")
 
 
 def _explain_daemon_error(e: Exception, cfg: NodeConfig) -> str:
-    text = str(e)
+    """One line saying why the libp2p daemon did not start and what to change."""
+    text = " ".join(GO_LOG_TIME.sub("", str(e)).split())
     if "address already in use" in text:
         return f"port {cfg.port} on {cfg.host} is already in use: pick another --port, or 0 for any free port"
     if "failed to connect to bootstrap peers" in text:
@@ -84,10 +129,16 @@ def _explain_daemon_error(e: Exception, cfg: NodeConfig) -> str:
             "is running and that the address (host, port and peer id) is the one it printed"
         )
     if "failed to parse multiaddr" in text or "invalid p2p multiaddr" in text:
-        return f"bad peer address in {list(cfg.initial_peers)} or --host {cfg.host!r}: {text.split(': ', 1)[-1]}"
+        return (
+            f"the peer-to-peer daemon rejected an address ({text.split(': ', 1)[-1]}): check --initial-peers "
+            f"{' '.join(cfg.initial_peers) or '(none)'} and --host {cfg.host}"
+        )
     if "cannot assign requested address" in text or "assign requested" in text:
-        return f"cannot listen on host {cfg.host!r}: it is not an address of this machine"
-    return f"the peer-to-peer daemon failed to start: {text}"
+        return (
+            f"cannot listen on --host {cfg.host}: it is not an address of this machine; "
+            "use 127.0.0.1 or 0.0.0.0"
+        )
+    return f"the peer-to-peer daemon failed to start ({text}): check --host, --port and --initial-peers"
 
 
 class SwarmNode:
@@ -168,7 +219,9 @@ class SwarmNode:
                     "no run is announced in this swarm yet: start one with `swarmtrain coordinator`"
                 )
             else:
-                raise RunNotFoundError(f"this swarm has several runs ({', '.join(runs)}): choose one with --run-id")
+                raise RunNotFoundError(
+                    f"this swarm has several runs ({', '.join(runs)}): choose one with --run-id"
+                )
         manifest = self.get_manifest(run_id)
         if manifest is None:
             known = f"runs announced here: {', '.join(runs)}" if runs else "no run is announced here"

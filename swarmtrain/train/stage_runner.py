@@ -80,7 +80,7 @@ class StageRunner:
 
     def _input(self, x: Tensor) -> Tensor:
         x = x.to(self.device)
-        if x.is_floating_point():
+        if x.is_floating_point() and not self.module.is_first:  # nobody upstream needs stage 0's input grad
             x.requires_grad_(True)
         return x
 

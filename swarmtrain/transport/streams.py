@@ -22,6 +22,9 @@ from swarmtrain.wire.frames import DEFAULT_MAX_FRAME_BYTES, Frame, error_frame, 
 
 logger = logging.getLogger(__name__)
 
+LINGER_S = 10.0
+"""How long a served stream waits for the caller to close after the reply."""
+
 Handler = Callable[[Frame, str], Awaitable[Frame]]
 """A served handler: (request frame, caller's base58 peer id) -> reply frame."""
 
@@ -84,7 +87,10 @@ class TensorTransport:
                 reply = await self._answer(peer, reader, handler)
                 if reply is not None:
                     await write_frame(writer, reply)
-            except (ConnectionError, asyncio.IncompleteReadError) as e:
+                    # Close only once the caller has closed its side: closing first can make
+                    # the daemon reset the stream and cut off the tail of the reply.
+                    await asyncio.wait_for(reader.read(1), LINGER_S)
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
                 logger.debug("stream from %s broke: %r", peer[-8:], e)
             finally:
                 writer.close()

@@ -62,14 +62,17 @@ class OptimizerConfig:
 
     def __post_init__(self):
         if self.name not in ("adamw", "sgd"):
-            raise ConfigError(f"unknown optimizer {self.name!r}: choose 'adamw' or 'sgd'")
+            raise ConfigError(f"unknown optimizer {self.name!r}: choose 'adamw' or 'sgd' (--optimizer)")
         if not (self.lr > 0):
-            raise ConfigError(f"learning rate must be > 0, got {self.lr}")
+            raise ConfigError(f"learning rate must be > 0, got {self.lr}: give a positive --lr, e.g. 3e-3")
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.weight_decay < 0 or self.momentum < 0:
-            raise ConfigError("weight_decay and momentum must be >= 0")
+            raise ConfigError(
+                f"weight_decay and momentum must be >= 0, got {self.weight_decay} and {self.momentum}: "
+                "give a --weight-decay of 0 or more"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"betas": list(self.betas)}
@@ -94,7 +97,8 @@ class BatchConfig:
         for name in ("microbatch_size", "microbatches_per_step", "max_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}: give {flag} 1 or more")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,10 +114,11 @@ def even_split(num_blocks: int, num_stages: int) -> tuple[int, ...]:
     Returns `num_stages + 1` block indices: stage k holds blocks [b[k], b[k+1]).
     """
     if num_stages < 1:
-        raise ConfigError(f"the number of stages must be >= 1, got {num_stages}")
+        raise ConfigError(f"the number of stages must be >= 1, got {num_stages}: give --stages 1 or more")
     if num_stages > num_blocks:
         raise ConfigError(
-            f"cannot split {num_blocks} blocks into {num_stages} stages: use at most {num_blocks} stages"
+            f"cannot split {num_blocks} blocks into {num_stages} stages: use at most {num_blocks} stages "
+            f"(--stages {num_blocks}), or a model with more blocks"
         )
     base, extra = divmod(num_blocks, num_stages)
     bounds = [0]
@@ -152,7 +157,12 @@ class RunManifest:
             raise ConfigError("manifest: model_config must be a mapping")
         object.__setattr__(self, "stage_bounds", tuple(int(b) for b in self.stage_bounds))
         b = self.stage_bounds
-        if len(b) < 2 or b[0] != 0 or b[-1] != self.num_blocks or any(x >= y for x, y in zip(b, b[1:])):
+        if (
+            len(b) < 2
+            or b[0] != 0
+            or b[-1] != self.num_blocks
+            or any(x >= y for x, y in zip(b, b[1:], strict=False))
+        ):
             raise ConfigError(
                 f"manifest: stage_bounds {list(b)} must rise strictly from 0 to num_blocks={self.num_blocks}"
             )
@@ -173,8 +183,10 @@ class RunManifest:
     def stage_span(self, stage: int) -> tuple[int, int]:
         """Blocks [start, end) of `stage`; raises ConfigError for a stage the run does not have."""
         if not isinstance(stage, int) or not 0 <= stage < self.num_stages:
+            last = self.num_stages - 1
             raise ConfigError(
-                f"stage {stage} is out of range: run {self.run_id!r} has stages 0..{self.num_stages - 1}"
+                f"stage {stage} is out of range: run {self.run_id!r} has stages 0..{last}; "
+                f"give --stage 0..{last}, or leave --stage out to take the stage with the fewest peers"
             )
         return self.stage_bounds[stage], self.stage_bounds[stage + 1]
 
@@ -194,6 +206,12 @@ class RunManifest:
 
     @classmethod
     def from_dict(cls, data: Any) -> RunManifest:
+        # The version first: a newer manifest may add fields, and the helpful message is the version's.
+        if isinstance(data, dict) and data.get("wire_version", WIRE_VERSION) != WIRE_VERSION:
+            raise ConfigError(
+                f"run {data.get('run_id')!r} speaks wire version {data['wire_version']}, this peer speaks "
+                f"{WIRE_VERSION}: install the swarmtrain version the coordinator runs"
+            )
         return _from_dict(cls, data, "manifest")
 
 

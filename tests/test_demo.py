@@ -1,0 +1,48 @@
+"""The two things a newcomer runs first: `swarmtrain demo` and the custom-model example."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_demo_trains_a_three_stage_swarm_and_reports_json():
+    proc = run(
+        [
+            sys.executable, "-m", "swarmtrain.cli", "demo",
+            "--stages", "3", "--steps", "30",
+            "--model-config", "n_layer=3,d_model=64,seq_len=32",
+            "--microbatch-size", "8",
+            "--json",
+        ],
+        timeout=200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["stages"] == 3 and summary["steps"] == 30
+    assert summary["uniform_loss"] == pytest.approx(math.log(256))
+    assert summary["initial_loss"] > summary["uniform_loss"] - 0.3  # starts near a uniform guess
+    assert summary["final_loss"] < summary["initial_loss"] - 1.0  # and learns
+    assert summary["tokens_per_s"] > 0 and summary["replays"] == 0
+    assert "swarmtrain join --initial-peers /ip4/127.0.0.1/tcp/" in proc.stderr  # how to join it
+
+
+def test_custom_model_example_trains():
+    proc = run([sys.executable, "examples/custom_model.py", "--steps", "25"], timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert len(losses) == 25
+    assert sum(losses[-5:]) / 5 < 0.5 * losses[0]
