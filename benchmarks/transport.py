@@ -36,7 +36,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from swarmtrain.swarm.node import NodeConfig, SwarmNode
-from swarmtrain.transport.streams import TensorTransport, TransportConfig
+from swarmtrain.transport.streams import LINGER_S, TensorTransport, TransportConfig
 from swarmtrain.wire.frames import Frame
 
 ECHO_OURS = "/swarmtrain-bench/frames/1"
@@ -76,8 +76,8 @@ def activation(nbytes: int) -> torch.Tensor:
 
 
 def default_repeats(nbytes: int) -> int:
-    # keeps the whole run well under a minute on 2 cores
-    return 20 if nbytes <= 2**20 else 12 if nbytes <= 4 * 2**20 else 8
+    # small frames are cheap and noisy, so they get more; the default sizes take ~20 s on 2 cores
+    return 50 if nbytes <= 256 * 2**10 else 30 if nbytes <= 2**20 else 15 if nbytes <= 4 * 2**20 else 8
 
 
 def summarize(rtts_s: list[float], nbytes: int) -> dict:
@@ -107,7 +107,9 @@ async def serve() -> None:
         async def echo_raw(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 await P2P.send_raw_data(await P2P.receive_raw_data(reader), writer)
-            except (ConnectionError, asyncio.IncompleteReadError):
+                # the same stream lifecycle as TensorTransport.serve: close once the caller has closed
+                await asyncio.wait_for(reader.read(1), LINGER_S)
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
                 pass
             finally:
                 writer.close()
@@ -244,7 +246,7 @@ def main() -> None:
     if args.repeats is not None and args.repeats < 2:
         raise SystemExit(f"--repeats must be at least 2 (for a p90), got {args.repeats}")
 
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), os.getloadavg()[0]
     proc, server = start_server()
     node = None
     try:
@@ -277,6 +279,8 @@ def main() -> None:
             "torch": torch.__version__,
             "hivemind": hivemind.__version__,
             "cpu_count": os.cpu_count(),
+            "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            "load_avg_note": "1-minute load average before and after: on a shared host, read ratios with it",
         },
         "results": results,
         "all_within_20pct": all(r["within_20pct"] for r in results),

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from swarmtrain.errors import BadFrameError
@@ -166,12 +167,27 @@ def parse_header(raw: bytes, payload_len: int) -> dict:
     return header
 
 
+# float dtype -> (same-width int dtype, its unsigned numpy view, magnitude mask, exponent mask):
+# a value is NaN or +-inf exactly when its exponent bits are all ones, that is when its
+# magnitude bits (all but the sign) reach the exponent mask.
+_NONFINITE_BITS = {
+    torch.float32: (torch.int32, np.uint32, 0x7FFFFFFF, 0x7F800000),
+    torch.float16: (torch.int16, np.uint16, 0x7FFF, 0x7C00),
+    torch.bfloat16: (torch.int16, np.uint16, 0x7FFF, 0x7F80),
+}
+
+
 def _all_finite(t: torch.Tensor) -> bool:
-    """torch.isfinite(t).all(), in one pass and without a bool copy of `t` (several times faster)."""
+    """torch.isfinite(t).all(), computed on the raw bits in numpy.
+
+    One thread and one temporary: torch's version makes bool copies and wakes its thread
+    pool, which on a busy host costs several times the round trip of a 256 KiB frame.
+    """
     if t.numel() == 0:
-        return True  # aminmax raises on empty tensors
-    lo, hi = torch.aminmax(t)  # NaN propagates to both; -inf shows in lo, +inf in hi
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+        return True
+    int_dtype, unsigned, magnitude, exponent = _NONFINITE_BITS[t.dtype]
+    bits = t.view(int_dtype).numpy().view(unsigned)
+    return bool(np.bitwise_and(bits, magnitude).max() < exponent)
 
 
 def decode_tensors(header: dict, payload: bytearray, *, allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
