@@ -24,27 +24,76 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+USAGE_EXIT_CODE = 2
+"""Exit code of every bad-input error, swarmtrain's own and typer's (as click uses for usage errors)."""
+
+
+def _check_run_id(run_id: str | None) -> str | None:
+    """Reject a malformed --run-id while the flags are parsed, before the network is touched."""
+    if run_id is None:
+        return None
+    from swarmtrain.wire.records import check_run_id
+
+    return check_run_id(run_id)
+
+
+def _check_writable(ctx: typer.Context, param: typer.CallbackParam, path: Path | None) -> Path | None:
+    """Reject a file flag whose folder is missing or read-only while the flags are parsed, not
+    after the peer has joined the swarm."""
+    if path is None:
+        return None
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{param.opts[0]} {path}: folder {folder} does not exist; create it or pick another path"
+        )
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{param.opts[0]} {path}: folder {folder} is not writable; pick another path")
+    return path
+
+
 InitialPeers = Annotated[
     list[str],
     typer.Option(
         "--initial-peers",
         help="Address of a peer already in the swarm, as printed by `swarmtrain coordinator` "
-        "(/ip4/HOST/tcp/PORT/p2p/ID). Repeat for several.",
+        "(/ip4/HOST/tcp/PORT/p2p/PEER_ID). Repeat for several.",
     ),
 ]
 RunId = Annotated[
     str | None,
-    typer.Option("--run-id", help="Run to take part in. [default: the only run the swarm announces]"),
+    typer.Option(
+        "--run-id",
+        help="Run to take part in.",
+        show_default="the only run the swarm announces",
+        callback=_check_run_id,
+    ),
 ]
-Host = Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 accepts peers from other machines.")]
-Port = Annotated[int, typer.Option(help="TCP port to listen on; 0 picks a free port.")]
-Threads = Annotated[int | None, typer.Option("--threads", help="torch CPU threads. [default: torch's choice]")]
+Host = Annotated[
+    str, typer.Option(help="IPv4 address to listen on; 0.0.0.0 accepts peers from other machines.")
+]
+Port = Annotated[int, typer.Option(help="TCP port to listen on, 0..65535; 0 picks a free port.")]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        help="torch intra-op CPU threads.",
+        show_default="torch's choice, about one per core",
+        min=1,
+    ),
+]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log progress to stderr.")]
+
+
+def print_error(message: str) -> None:
+    """Print `message` as one red line on stderr, prefixed 'error: '."""
+    typer.secho(f"error: {' '.join(message.split())}", fg="red", err=True)
 
 
 def fail(message: str) -> None:
     """Print one clear line to stderr and exit non-zero, without a traceback."""
-    typer.secho(f"error: {message}", fg="red", err=True)
-    raise typer.Exit(2)
+    print_error(message)
+    raise typer.Exit(USAGE_EXIT_CODE)
 
 
 def setup_logging(verbose: bool) -> None:
@@ -64,15 +113,22 @@ def parse_model_config(text: str) -> dict:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"--model-config is not valid JSON: {e}") from None
+            raise ConfigError(
+                f"--model-config is not valid JSON ({e}): write an object like "
+                """'{"n_layer": 4}', or KEY=VALUE,KEY=VALUE"""
+            ) from None
         if not isinstance(value, dict):
-            raise ConfigError("--model-config must be a JSON object")
+            raise ConfigError(
+                """--model-config must be a JSON object like '{"n_layer": 4}', or KEY=VALUE,KEY=VALUE"""
+            )
         return value
     out = {}
     for item in text.split(","):
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--model-config item {item!r} is not KEY=VALUE")
+            raise ConfigError(
+                f"--model-config item {item!r} is not KEY=VALUE: write KEY=VALUE,KEY=VALUE, e.g. n_layer=4,d_model=128"
+            )
         try:
             out[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:
@@ -93,26 +149,62 @@ def run_guarded(fn, *args, **kwargs):
 
 @app.command()
 def coordinator(
-    run_id: Annotated[str, typer.Option(help="Run id peers join with --run-id.")] = "demo",
-    model: Annotated[str, typer.Option(help="Model builder: 'tiny-gpt' or 'package.module:function'.")] = "tiny-gpt",
+    run_id: Annotated[
+        str,
+        typer.Option(
+            help="Name of the run, which peers pass as --run-id: 1-64 letters, digits, '_', '.' or '-'.",
+            callback=_check_run_id,
+        ),
+    ] = "demo",
+    model: Annotated[
+        str,
+        typer.Option(
+            help="Model builder: a registered name (tiny-gpt) or 'package.module:function', "
+            "importable on every peer."
+        ),
+    ] = "tiny-gpt",
     model_config: Annotated[
-        str, typer.Option(help="Builder options: a JSON object or KEY=VALUE,KEY=VALUE.")
+        str,
+        typer.Option(
+            help="Builder options: a JSON object or KEY=VALUE,KEY=VALUE, e.g. n_layer=8,d_model=256.",
+            show_default="the builder's own; tiny-gpt: n_layer=4,n_head=4,d_model=128,seq_len=128",
+        ),
     ] = "",
-    stages: Annotated[int, typer.Option(help="Pipeline stages; blocks are split evenly.")] = 3,
-    optimizer: Annotated[str, typer.Option(help="adamw or sgd.")] = "adamw",
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 3e-3,
-    weight_decay: Annotated[float, typer.Option(help="Decoupled weight decay.")] = 0.0,
-    microbatch_size: Annotated[int, typer.Option(help="Sequences per microbatch.")] = 8,
-    microbatches_per_step: Annotated[int, typer.Option(help="Microbatches per optimizer step.")] = 4,
-    max_in_flight: Annotated[int, typer.Option(help="Microbatches a trainer keeps in the pipeline.")] = 4,
-    seed: Annotated[int, typer.Option(help="Run seed: initialisation and data order.")] = 0,
-    steps: Annotated[int, typer.Option(help="Steps the run aims for; 0 means until stopped.")] = 0,
+    stages: Annotated[
+        int,
+        typer.Option(
+            help="Pipeline stages, 1 to the model's block count (tiny-gpt: n_layer); blocks are split evenly."
+        ),
+    ] = 3,
+    optimizer: Annotated[str, typer.Option(help="Optimizer every stage runs: adamw or sgd.")] = "adamw",
+    lr: Annotated[float, typer.Option(help="Learning rate, > 0.")] = 3e-3,
+    weight_decay: Annotated[
+        float, typer.Option(help="Decoupled (AdamW-style) weight decay coefficient, >= 0; 0 turns it off.")
+    ] = 0.0,
+    microbatch_size: Annotated[
+        int, typer.Option(help="Sequences per microbatch, each the model's seq_len tokens long; >= 1.")
+    ] = 8,
+    microbatches_per_step: Annotated[
+        int, typer.Option(help="Microbatches accumulated into one optimizer step; >= 1.")
+    ] = 4,
+    max_in_flight: Annotated[
+        int, typer.Option(help="Microbatches a trainer keeps in the pipeline at once; >= 1.")
+    ] = 4,
+    seed: Annotated[
+        int, typer.Option(help="Run seed (an integer): model initialisation and data order.")
+    ] = 0,
+    steps: Annotated[int, typer.Option(help="Optimizer steps the run aims for; 0 means until stopped.")] = 0,
     host: Host = "127.0.0.1",
     port: Port = 0,
     address_file: Annotated[
-        Path | None, typer.Option(help="Also write the peer address to this file once serving.")
+        Path | None,
+        typer.Option(
+            help="Also write the peer address (one line) to this file once serving.",
+            show_default="not written",
+            callback=_check_writable,
+        ),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Start a swarm: a bootstrap DHT peer that publishes a run's manifest."""
     setup_logging(verbose)
@@ -139,7 +231,9 @@ def coordinator(
         coord = Coordinator(config)
         try:
             m = coord.manifest
-            typer.echo(f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages {list(m.stage_bounds)}")
+            typer.echo(
+                f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages {list(m.stage_bounds)}"
+            )
             typer.echo(f"peer address: {coord.address}")
             typer.echo(f"join with:    swarmtrain join --initial-peers {coord.address}")
             if address_file is not None:
@@ -168,27 +262,58 @@ def _wait_for_signal(coord) -> None:
 def join(
     initial_peers: InitialPeers,
     run_id: RunId = None,
-    stage: Annotated[int | None, typer.Option(help="Stage to serve. [default: the stage with fewest peers]")] = None,
-    gpu: Annotated[str, typer.Option(help="Device: auto (first CUDA GPU, else CPU), cpu, cuda or cuda:N.")] = "auto",
+    stage: Annotated[
+        int | None,
+        typer.Option(
+            help="Stage to serve, 0 to the run's stages - 1.", show_default="the stage with the fewest peers"
+        ),
+    ] = None,
+    gpu: Annotated[
+        str, typer.Option(help="Device to compute on: auto (first CUDA GPU, else CPU), cpu, cuda or cuda:N.")
+    ] = "auto",
     threads: Threads = None,
     host: Host = "127.0.0.1",
     port: Port = 0,
-    ready_file: Annotated[Path | None, typer.Option(help="Write this peer's id here once it serves.")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write this peer's id (one line) to this file once it serves.",
+            show_default="not written",
+            callback=_check_writable,
+        ),
+    ] = None,
+    announce_host: Annotated[
+        str | None,
+        typer.Option(
+            help="Address other peers should dial, if not --host (behind NAT).", show_default="--host"
+        ),
+    ] = None,
+    max_frame_mb: Annotated[
+        float,
+        typer.Option(min=0.001, help="Largest frame payload accepted, in MiB; bigger frames are refused."),
+    ] = 256.0,
+    max_strikes: Annotated[
+        int, typer.Option(min=1, help="Bad frames from one peer before it is banned (for 60 s).")
+    ] = 3,
+    verbose: Verbose = False,
 ) -> None:
     """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
     setup_logging(verbose)
     from swarmtrain.peers.probe import resolve_device
     from swarmtrain.peers.stage import StageConfig, StagePeer
     from swarmtrain.swarm import NodeConfig
+    from swarmtrain.transport import TransportConfig
 
     def main() -> None:
         config = StageConfig(
-            node=NodeConfig(initial_peers=tuple(initial_peers), host=host, port=port),
+            node=NodeConfig(
+                initial_peers=tuple(initial_peers), host=host, port=port, announce_host=announce_host
+            ),
             run_id=run_id,
             stage=stage,
             device=resolve_device(gpu),
             num_threads=threads,
+            transport=TransportConfig(max_frame_bytes=int(max_frame_mb * 2**20), max_strikes=max_strikes),
         )
         peer = StagePeer(config)
         if ready_file is not None:
@@ -212,12 +337,25 @@ def _write_atomic(path: Path, text: str) -> None:
 def train(
     initial_peers: InitialPeers,
     run_id: RunId = None,
-    steps: Annotated[int, typer.Option(help="Optimizer steps to run.")] = 100,
-    data: Annotated[str, typer.Option(help="'stdlib' (Python's own sources) or a text file or folder.")] = "stdlib",
-    timeout: Annotated[float, typer.Option(help="Seconds one microbatch may take, forward and back.")] = 60.0,
+    steps: Annotated[int, typer.Option(help="Optimizer steps to run, then exit.")] = 100,
+    data: Annotated[
+        str,
+        typer.Option(
+            help="Training text: 'stdlib' (the source of Python's standard library) or a text file or a folder of them."
+        ),
+    ] = "stdlib",
+    timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds one microbatch may take, forward through every stage and back, before it is "
+            "replayed; > 1."
+        ),
+    ] = 60.0,
     threads: Threads = None,
-    jsonl: Annotated[bool, typer.Option("--jsonl", help="Print one JSON object per step instead of text.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
+    jsonl: Annotated[
+        bool, typer.Option("--jsonl", help="Print one JSON object per step instead of text.")
+    ] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Train a run: feed microbatches of byte-level text into the swarm and step it."""
     setup_logging(verbose)
@@ -247,21 +385,37 @@ def train(
                     }
                     typer.echo(json.dumps(record))
                 else:
-                    typer.echo(f"step {result.step:5d}  loss {result.loss:.4f}  {result.tokens_per_s:8.0f} tokens/s")
+                    typer.echo(
+                        f"step {result.step:5d}  loss {result.loss:.4f}  {result.tokens_per_s:8.0f} tokens/s"
+                    )
 
     run_guarded(main)
 
 
 @app.command()
 def demo(
-    stages: Annotated[int, typer.Option(help="Stage peers to start, one per stage.")] = 3,
+    stages: Annotated[
+        int, typer.Option(help="Pipeline stages, 1 to n_layer; one stage peer process is started per stage.")
+    ] = 3,
     steps: Annotated[int, typer.Option(help="Optimizer steps to train.")] = 120,
-    model_config: Annotated[str, typer.Option(help="tiny-gpt options: JSON or KEY=VALUE,...")] = "",
-    microbatch_size: Annotated[int, typer.Option(help="Sequences per microbatch.")] = 16,
-    microbatches_per_step: Annotated[int, typer.Option(help="Microbatches per optimizer step.")] = 4,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 3e-3,
-    port: Annotated[int, typer.Option(help="Coordinator TCP port; 0 picks a free port.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary at the end.")] = False,
+    model_config: Annotated[
+        str,
+        typer.Option(
+            help="Overrides of the demo's tiny-gpt options: a JSON object or KEY=VALUE,KEY=VALUE.",
+            show_default="n_layer=6,n_head=4,d_model=128,seq_len=64",
+        ),
+    ] = "",
+    microbatch_size: Annotated[
+        int, typer.Option(help="Sequences per microbatch, each the model's seq_len tokens long; >= 1.")
+    ] = 16,
+    microbatches_per_step: Annotated[
+        int, typer.Option(help="Microbatches accumulated into one optimizer step; >= 1.")
+    ] = 4,
+    lr: Annotated[float, typer.Option(help="Learning rate (AdamW), > 0.")] = 3e-3,
+    port: Annotated[int, typer.Option(help="Coordinator TCP port, 0..65535; 0 picks a free port.")] = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print a machine-readable summary (JSON) on stdout at the end.")
+    ] = False,
 ) -> None:
     """Run a whole swarm on this machine: a coordinator, N stage peers and a trainer,
     each its own process on 127.0.0.1, training tiny-gpt on Python's standard library."""
@@ -284,12 +438,33 @@ def demo(
     run_guarded(main)
 
 
+def _usage_error_line(e: typer.TyperException) -> str:
+    """Typer's usage error (missing option, bad value, unknown flag) as one line that says where
+    the help is, instead of its multi-line box."""
+    ctx = getattr(e, "ctx", None)
+    command = ctx.command_path if ctx is not None else "swarmtrain"
+    message = " ".join(e.format_message().split()).rstrip(".")
+    return f"{message} (see `{command} --help`)"
+
+
 def main() -> None:
+    """The console entry point: run the command and exit with its code. Bad input of any kind
+    (typer's usage errors, swarmtrain's own) ends as one line on stderr and exit code 2."""
     try:
-        app()
-    except ConfigError as e:  # raised while typer converts values
-        fail(str(e))
+        code = app(prog_name="swarmtrain", standalone_mode=False)
+    except SwarmError as e:  # raised by a flag callback, before the command runs
+        print_error(str(e))
+        code = USAGE_EXIT_CODE
+    except typer.TyperException as e:
+        # NoArgsIsHelpError: typer has printed the help already (typer's own check, by name).
+        if type(e).__name__ != "NoArgsIsHelpError":
+            print_error(_usage_error_line(e))
+        code = USAGE_EXIT_CODE
+    except typer.Abort:
+        typer.secho("aborted", err=True)
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

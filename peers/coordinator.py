@@ -15,7 +15,14 @@ import swarmtrain
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
 from swarmtrain.swarm import NodeConfig, SwarmNode
-from swarmtrain.wire.records import BatchConfig, OptimizerConfig, PeerRecord, RunManifest, check_run_id, even_split
+from swarmtrain.wire.records import (
+    BatchConfig,
+    OptimizerConfig,
+    PeerRecord,
+    RunManifest,
+    check_run_id,
+    even_split,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -73,14 +73,14 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
 
 def _train(swarm: LocalSwarm, config: DemoConfig, console: Console, model_config: dict, quiet: bool) -> dict:
     args = ["train", "--initial-peers", swarm.address, "--run-id", "demo", "--steps", str(config.steps)]
-    log = open(swarm.log_dir / "trainer.log", "wb")
-    proc = subprocess.Popen(
-        cli_command(*args, "--jsonl", "--threads", "1"),
-        stdout=subprocess.PIPE,
-        stderr=log,
-        env=swarm._env(),
-        start_new_session=True,
-    )
+    with open(swarm.log_dir / "trainer.log", "wb") as log:
+        proc = subprocess.Popen(
+            cli_command(*args, "--jsonl", "--threads", "1"),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=swarm._env(),
+            start_new_session=True,
+        )
     swarm.procs["trainer"] = proc
     records = []
     columns = (
@@ -99,7 +99,12 @@ def _train(swarm: LocalSwarm, config: DemoConfig, console: Console, model_config
             except json.JSONDecodeError:
                 continue
             records.append(record)
-            progress.update(task, completed=len(records), loss=f"{record['loss']:.3f}", tps=f"{record['tokens_per_s']:.0f}")
+            progress.update(
+                task,
+                completed=len(records),
+                loss=f"{record['loss']:.3f}",
+                tps=f"{record['tokens_per_s']:.0f}",
+            )
     if proc.wait() != 0:
         raise SwarmError(f"the trainer failed (exit {proc.returncode}):\n{swarm.log_tail('trainer')}")
     wall = time.monotonic() - began

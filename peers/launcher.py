@@ -7,6 +7,7 @@ that peer's processes. Used by `swarmtrain demo`, the tests and the examples.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -87,11 +88,14 @@ class LocalSwarm:
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         """Start `swarmtrain ARGS` as process `name`, output to `log_dir/name.log`."""
-        log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(
-            cli_command(*args), stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True
-        )
-        log.close()
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
+                cli_command(*args),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                start_new_session=True,
+            )
         self.procs[name] = proc
         return proc
 
@@ -107,9 +111,13 @@ class LocalSwarm:
             if path.exists() and path.stat().st_size:
                 return path.read_text().strip()
             if proc.poll() is not None:
-                raise SwarmError(f"{name} exited with code {proc.returncode} while starting:\n{self.log_tail(name)}")
+                raise SwarmError(
+                    f"{name} exited with code {proc.returncode} while starting:\n{self.log_tail(name)}"
+                )
             time.sleep(0.05)
-        raise SwarmError(f"{name} did not start within {self.config.startup_timeout_s:.0f} s:\n{self.log_tail(name)}")
+        raise SwarmError(
+            f"{name} did not start within {self.config.startup_timeout_s:.0f} s:\n{self.log_tail(name)}"
+        )
 
     def start(self) -> None:
         cfg = self.config
@@ -182,15 +190,11 @@ class LocalSwarm:
                 proc.terminate()  # the leader alone: it shuts its DHT process and daemon down itself
         deadline = time.monotonic() + timeout_s
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for name, proc in self.procs.items():
-            try:
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the group may outlive its leader
-            except ProcessLookupError:
-                pass
             proc.wait()
 
     def trainer(self, **overrides):

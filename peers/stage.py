@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import signal
 import time
@@ -118,7 +119,11 @@ class StagePeer:
     async def _serve(self, node: SwarmNode) -> None:
         cfg = self.config
         self.manifest = manifest = node.require_manifest(cfg.run_id)
-        self.stage = cfg.stage if cfg.stage is not None else choose_stage(manifest, await node.peers_async(manifest.run_id))
+        self.stage = (
+            cfg.stage
+            if cfg.stage is not None
+            else choose_stage(manifest, await node.peers_async(manifest.run_id))
+        )
         start, end = manifest.stage_span(self.stage)
         module = build_stage(
             manifest.model,
@@ -133,10 +138,8 @@ class StagePeer:
         self.transport = TensorTransport(await node.p2p(), cfg.transport)
         await self.transport.serve(handler_name(manifest.run_id), self._handle)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
+            with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: stop() is the way out
                 self._loop.add_signal_handler(sig, self._stop.set)
-            except (ValueError, RuntimeError):  # not the main thread: stop() is the way out
-                pass
         self._since = get_dht_time()
         await self._heartbeat()
         logger.info(
@@ -184,7 +187,9 @@ class StagePeer:
         if self.state in ("joining", "standby"):
             # A stage already served by another peer keeps that peer authoritative: stand by.
             primary = stage_primaries(await self.node.peers_async(self.manifest.run_id)).get(self.stage)
-            self.state = "standby" if primary is not None and primary.peer_id != self.node.peer_id else "serving"
+            self.state = (
+                "standby" if primary is not None and primary.peer_id != self.node.peer_id else "serving"
+            )
             if self.state == "serving":
                 self._since = get_dht_time()
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=self.config.ttl_s)
@@ -206,19 +211,28 @@ class StagePeer:
         run_id = self.manifest.run_id
         if frame.run_id != run_id:
             self.transport.strike(peer, f"frame for run {frame.run_id!r}")
-            return error_frame(run_id, f"this peer serves run {run_id!r}, not {frame.run_id!r}", retryable=False)
+            return error_frame(
+                run_id, f"this peer serves run {run_id!r}, not {frame.run_id!r}", retryable=False
+            )
         if frame.kind == "ping":
-            return Frame(kind="pong", run_id=run_id, stage=self.stage, step=self.runner.step, meta=self._status())
+            return Frame(
+                kind="pong", run_id=run_id, stage=self.stage, step=self.runner.step, meta=self._status()
+            )
         if frame.stage != self.stage:
             self.transport.strike(peer, f"frame for stage {frame.stage}")
             return error_frame(
-                run_id, f"this peer serves stage {self.stage}, not {frame.stage}", retryable=False, stage=self.stage
+                run_id,
+                f"this peer serves stage {self.stage}, not {frame.stage}",
+                retryable=False,
+                stage=self.stage,
             )
         if frame.kind == "step":
             return await self._on_step(frame)
         if frame.kind == "state":
             state = await self._compute(stage_state_dict, self.runner.module)
-            return Frame(kind="state_data", run_id=run_id, stage=self.stage, step=self.runner.step, tensors=state)
+            return Frame(
+                kind="state_data", run_id=run_id, stage=self.stage, step=self.runner.step, tensors=state
+            )
         if frame.kind != "forward":
             return error_frame(run_id, f"stage peers do not take {frame.kind!r} frames", retryable=False)
         if self.state == "draining":
@@ -231,13 +245,17 @@ class StagePeer:
         except BadFrameError as e:
             self.failed += 1
             self.transport.strike(peer, str(e))
-            return error_frame(run_id, f"stage {self.stage} rejected microbatch {frame.mb_id}: {e}", retryable=False)
+            return error_frame(
+                run_id, f"stage {self.stage} rejected microbatch {frame.mb_id}: {e}", retryable=False
+            )
         except RemoteError as e:
             self.failed += 1
             return error_frame(run_id, str(e), retryable=e.retryable, mb_id=frame.mb_id, stage=self.stage)
         except PeerUnreachableError as e:
             self.failed += 1
-            return error_frame(run_id, f"stage {self.stage + 1} unreachable: {e}", retryable=True, stage=self.stage)
+            return error_frame(
+                run_id, f"stage {self.stage + 1} unreachable: {e}", retryable=True, stage=self.stage
+            )
         finally:
             self._in_flight -= 1
 
@@ -253,11 +271,15 @@ class StagePeer:
     async def _on_step(self, frame: Frame) -> Frame:
         n = frame.meta.get("num_microbatches")
         if not isinstance(n, int) or n < 1:
-            return error_frame(self.manifest.run_id, "step frame needs meta num_microbatches >= 1", retryable=False)
+            return error_frame(
+                self.manifest.run_id, "step frame needs meta num_microbatches >= 1", retryable=False
+            )
         try:
             new_step = await self._compute(self.runner.apply_step, frame.step, n)
         except RemoteError as e:
-            return error_frame(self.manifest.run_id, f"stage {self.stage}: {e}", retryable=False, stage=self.stage)
+            return error_frame(
+                self.manifest.run_id, f"stage {self.stage}: {e}", retryable=False, stage=self.stage
+            )
         return Frame(kind="step_done", run_id=self.manifest.run_id, stage=self.stage, step=new_step)
 
     async def _on_forward(self, frame: Frame) -> Frame:
@@ -276,7 +298,9 @@ class StagePeer:
             if runner.steps_applied == 0 and runner.num_pending == 0 and runner.num_committed == 0:
                 runner.step = frame.step  # a fresh peer adopts the run's step
             else:
-                raise RemoteError(f"stage {self.stage} is at step {runner.step}, not {frame.step}", retryable=False)
+                raise RemoteError(
+                    f"stage {self.stage} is at step {runner.step}, not {frame.step}", retryable=False
+                )
         mb = frame.mb_id
         try:
             if self.stage == manifest.num_stages - 1:
@@ -289,7 +313,15 @@ class StagePeer:
             raise BadFrameError(f"forward/backward failed on this input: {e}") from None
         tensors = {} if grad_x is None else {"grad": grad_x}
         meta = {"loss": loss, "service_s": time.monotonic() - started}
-        return Frame(kind="result", run_id=manifest.run_id, mb_id=mb, stage=self.stage, step=frame.step, tensors=tensors, meta=meta)
+        return Frame(
+            kind="result",
+            run_id=manifest.run_id,
+            mb_id=mb,
+            stage=self.stage,
+            step=frame.step,
+            tensors=tensors,
+            meta=meta,
+        )
 
     async def _chain(self, frame: Frame, x, targets, budget_s: float) -> tuple[float, torch.Tensor | None]:
         """Forward here, then through the rest of the route; backward here with its gradient."""

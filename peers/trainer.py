@@ -50,8 +50,14 @@ class TrainerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self):
-        if self.microbatch_timeout_s <= 1 or self.max_retries < 0 or self.wait_for_stages_s < 0:
-            raise ConfigError(f"invalid trainer limits: {self}")
+        if self.microbatch_timeout_s <= 1:
+            raise ConfigError(
+                f"the microbatch timeout must be over 1 s, got {self.microbatch_timeout_s}: raise --timeout"
+            )
+        if self.max_retries < 0 or self.wait_for_stages_s < 0:
+            raise ConfigError(
+                f"max_retries and wait_for_stages_s must be >= 0, got {self.max_retries} and {self.wait_for_stages_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,9 @@ class Trainer:
 
     # training
 
-    def train(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, steps: int) -> Iterator[StepResult]:
+    def train(
+        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, steps: int
+    ) -> Iterator[StepResult]:
         """Run `steps` optimizer steps over microbatches drawn from `batches`; yield each result.
 
         Each item of `batches` is one microbatch (inputs, targets) with the run's microbatch
@@ -191,7 +199,7 @@ class Trainer:
 
     async def _train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         started = time.monotonic()
-        step, run_id = self.step, self.manifest.run_id
+        step = self.step
         route = await self._route()
         window = asyncio.Semaphore(self.manifest.batch.max_in_flight)
         replays = 0
@@ -247,7 +255,9 @@ class Trainer:
             tensors={"x": x, "targets": y},
             meta={"loss_scale": 1.0 / m, "budget_s": budget, "route": " ".join(route)},
         )
-        reply = await self.transport.call(route[0], handler_name(self.manifest.run_id), frame, timeout_s=budget)
+        reply = await self.transport.call(
+            route[0], handler_name(self.manifest.run_id), frame, timeout_s=budget
+        )
         loss = reply.meta.get("loss")
         if not isinstance(loss, float):
             raise BadFrameError("stage 0 replied without a loss")
@@ -255,7 +265,9 @@ class Trainer:
 
     async def _commit(self, route: list[str], step: int, m: int) -> None:
         async def commit(stage: int, peer: str) -> None:
-            frame = Frame(kind="step", run_id=self.manifest.run_id, stage=stage, step=step, meta={"num_microbatches": m})
+            frame = Frame(
+                kind="step", run_id=self.manifest.run_id, stage=stage, step=step, meta={"num_microbatches": m}
+            )
             try:
                 await self.transport.call(peer, handler_name(self.manifest.run_id), frame, timeout_s=30)
             except (RemoteError, PeerUnreachableError) as e:

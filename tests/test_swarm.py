@@ -26,7 +26,9 @@ PARAM_ATOL = 1e-4
 
 
 def batches():
-    return TokenBatches(stdlib_text(2**20), seq_len=TINY_GPT["seq_len"], microbatch_size=BATCH.microbatch_size, seed=SEED)
+    return TokenBatches(
+        stdlib_text(2**20), seq_len=TINY_GPT["seq_len"], microbatch_size=BATCH.microbatch_size, seed=SEED
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,9 @@ def test_loss_and_parameter_parity_with_single_process(local_swarm, reference, n
         merged.update(state)
     assert set(merged) == set(reference.state)
     for key, value in reference.state.items():
-        torch.testing.assert_close(merged[key], value, rtol=0, atol=PARAM_ATOL, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            merged[key], value, rtol=0, atol=PARAM_ATOL, msg=lambda m, k=key: f"{k}: {m}"
+        )
 
 
 def test_bad_microbatch_fails_the_step_with_a_clear_message(local_swarm):
@@ -70,9 +74,11 @@ def test_bad_microbatch_fails_the_step_with_a_clear_message(local_swarm):
     wrong_length = TokenBatches(
         stdlib_text(2**20), seq_len=TINY_GPT["seq_len"] + 1, microbatch_size=BATCH.microbatch_size, seed=SEED
     )
-    with swarm.trainer() as trainer:
-        with pytest.raises(StepFailedError, match=r"stage 0 rejected .*shape \(4, 17\).*expects \('B', 16\)"):
-            next(trainer.train(wrong_length, steps=1))
+    with (
+        swarm.trainer() as trainer,
+        pytest.raises(StepFailedError, match=r"stage 0 rejected .*shape \(4, 17\).*expects \('B', 16\)"),
+    ):
+        next(trainer.train(wrong_length, steps=1))
     # The stage peer kept serving; it banned the peer that sent the bad frames, not others.
     with swarm.trainer() as trainer:
         result = next(trainer.train(batches(), steps=1))

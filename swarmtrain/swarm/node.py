@@ -220,12 +220,19 @@ class SwarmNode:
                 )
             else:
                 raise RunNotFoundError(
-                    f"this swarm has several runs ({', '.join(runs)}): choose one with --run-id"
+                    f"this swarm has several runs ({', '.join(repr(r) for r in runs)}): choose one with --run-id"
                 )
         manifest = self.get_manifest(run_id)
         if manifest is None:
-            known = f"runs announced here: {', '.join(runs)}" if runs else "no run is announced here"
-            raise RunNotFoundError(f"no run {run_id!r} in this swarm ({known}): check --run-id")
+            if not runs:
+                raise RunNotFoundError(
+                    f"no run {run_id!r} in this swarm, nor any other: start it with "
+                    f"`swarmtrain coordinator --run-id {run_id}`"
+                )
+            known = ", ".join(repr(r) for r in runs)
+            raise RunNotFoundError(
+                f"no run {run_id!r} in this swarm; it announces {known}: pass one of those as --run-id"
+            )
         return manifest
 
     # membership

@@ -76,7 +76,9 @@ class TensorTransport:
         if self._strikes[peer] >= self.config.max_strikes:
             self._banned_until[peer] = time.monotonic() + self.config.ban_s
             self._strikes[peer] = 0
-            logger.warning("banned peer %s for %.0f s after repeated bad frames", peer[-8:], self.config.ban_s)
+            logger.warning(
+                "banned peer %s for %.0f s after repeated bad frames", peer[-8:], self.config.ban_s
+            )
 
     async def serve(self, name: str, handler: Handler) -> None:
         """Register `handler` under protocol `name` on this peer."""
@@ -111,7 +113,9 @@ class TensorTransport:
             self.strike(peer, str(e))
             return error_frame("", f"bad frame: {e}", retryable=False)
         except asyncio.TimeoutError:
-            return error_frame("", f"request did not arrive within {self.config.read_timeout_s} s", retryable=True)
+            return error_frame(
+                "", f"request did not arrive within {self.config.read_timeout_s} s", retryable=True
+            )
         self.bytes_received += sum(t.nbytes for t in request.tensors.values())
         reply = await handler(request, peer)
         self.bytes_sent += sum(t.nbytes for t in reply.tensors.values())
@@ -148,5 +152,7 @@ class TensorTransport:
             writer.close()
         self.bytes_received += sum(t.nbytes for t in reply.tensors.values())
         if reply.kind == "error":
-            raise RemoteError(reply.error_text(), peer=peer, retryable=bool(reply.meta.get("retryable", True)))
+            raise RemoteError(
+                reply.error_text(), peer=peer, retryable=bool(reply.meta.get("retryable", True))
+            )
         return reply

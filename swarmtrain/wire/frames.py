@@ -128,20 +128,28 @@ def parse_header(raw: bytes, payload_len: int) -> dict:
     _check(set(header) == expected, f"frame header has fields {sorted(header)}, expected {sorted(expected)}")
     _check(header["kind"] in FRAME_KINDS, f"unknown frame kind {header['kind']!r}")
     _check(isinstance(header["run"], str) and len(header["run"]) <= 64, "frame run id must be a short string")
-    _check(isinstance(header["mb"], str) and len(header["mb"]) <= 256, "frame microbatch id must be a short string")
+    _check(
+        isinstance(header["mb"], str) and len(header["mb"]) <= 256,
+        "frame microbatch id must be a short string",
+    )
     for key in ("stage", "step"):
-        _check(isinstance(header[key], int) and not isinstance(header[key], bool), f"frame {key} must be an int")
+        _check(
+            isinstance(header[key], int) and not isinstance(header[key], bool), f"frame {key} must be an int"
+        )
     meta = header["meta"]
     _check(isinstance(meta, dict), "frame meta must be a mapping")
     for k, v in meta.items():
-        _check(
-            isinstance(k, str) and isinstance(v, META_VALUE_TYPES), f"frame meta {k!r} must be a scalar"
-        )
+        _check(isinstance(k, str) and isinstance(v, META_VALUE_TYPES), f"frame meta {k!r} must be a scalar")
     specs = header["tensors"]
-    _check(isinstance(specs, list) and len(specs) <= MAX_TENSORS, f"a frame holds at most {MAX_TENSORS} tensors")
+    _check(
+        isinstance(specs, list) and len(specs) <= MAX_TENSORS, f"a frame holds at most {MAX_TENSORS} tensors"
+    )
     total, names = 0, set()
     for spec in specs:
-        _check(isinstance(spec, list) and len(spec) == 5, "tensor spec must be [name, dtype, shape, codec, nbytes]")
+        _check(
+            isinstance(spec, list) and len(spec) == 5,
+            "tensor spec must be [name, dtype, shape, codec, nbytes]",
+        )
         name, dtype, shape, codec, nbytes = spec
         _check(isinstance(name, str) and name not in names, f"tensor name {name!r} is not a new string")
         names.add(name)
@@ -190,12 +198,16 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(np.bitwise_and(bits, magnitude).max() < exponent)
 
 
-def decode_tensors(header: dict, payload: bytearray, *, allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
+def decode_tensors(
+    header: dict, payload: bytearray, *, allow_nonfinite: bool = False
+) -> dict[str, torch.Tensor]:
     """Tensors of a validated header, viewing `payload`; rejects NaN/inf unless allowed."""
     tensors, offset = {}, 0
     for name, dtype, shape, _codec, nbytes in header["tensors"]:
         if nbytes:
-            t = torch.frombuffer(payload, dtype=DTYPES[dtype], count=nbytes // DTYPES[dtype].itemsize, offset=offset)
+            t = torch.frombuffer(
+                payload, dtype=DTYPES[dtype], count=nbytes // DTYPES[dtype].itemsize, offset=offset
+            )
         else:
             t = torch.empty(0, dtype=DTYPES[dtype])
         t = t.view(shape)
@@ -207,7 +219,10 @@ def decode_tensors(header: dict, payload: bytearray, *, allow_nonfinite: bool = 
 
 
 async def read_frame(
-    reader: asyncio.StreamReader, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, allow_nonfinite: bool = False
+    reader: asyncio.StreamReader,
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    allow_nonfinite: bool = False,
 ) -> Frame:
     """Read one frame. Raises BadFrameError for a malformed one, IncompleteReadError on EOF."""
     prefix = await reader.readexactly(PREFIX.size)

@@ -1,0 +1,141 @@
+"""A live stage peer faced with bad frames: each gets a precise error reply, the sender is
+banned after repeated offences, and the swarm keeps training."""
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from swarmtrain.errors import RemoteError
+from swarmtrain.swarm import NodeConfig, SwarmNode
+from swarmtrain.train.data import TokenBatches, stdlib_text
+from swarmtrain.transport import TensorTransport, handler_name
+from swarmtrain.wire.frames import PREFIX, Frame, read_frame
+from swarmtrain.wire.records import BatchConfig
+from tests.conftest import TINY_GPT
+
+pytestmark = pytest.mark.swarm
+
+BATCH = BatchConfig(microbatch_size=4, microbatches_per_step=2, max_in_flight=2)
+B, T, C = 4, TINY_GPT["seq_len"], TINY_GPT["d_model"]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig
+
+    config = LocalSwarmConfig(
+        run_id="frames",
+        model_config=TINY_GPT,
+        num_stages=2,
+        batch=BATCH,
+        log_dir=str(tmp_path_factory.mktemp("s")),
+    )
+    with LocalSwarm(config) as swarm:
+        swarm.peer_ids = [swarm.wait_ready(name) for name in sorted(swarm.procs) if name.startswith("stage")]
+        # A second stage-1 peer with a 1 MiB frame limit, standing by, for the size test.
+        small = swarm.spawn_stage(1, extra_args=("--max-frame-mb", "1"))
+        swarm.small_limit_peer = swarm.wait_ready(small)
+        yield swarm
+
+
+def forward(stage: int, x, targets, run_id="frames", **meta) -> Frame:
+    meta = {"loss_scale": 0.5, "budget_s": 20.0, "route": "unused unused"} | meta
+    return Frame(
+        kind="forward",
+        run_id=run_id,
+        mb_id="t:0:0",
+        stage=stage,
+        step=0,
+        tensors={"x": x, "targets": targets},
+        meta=meta,
+    )
+
+
+def good_targets():
+    return torch.randint(0, 256, (B, T))
+
+
+async def with_client(swarm, fn):
+    node = SwarmNode(NodeConfig(initial_peers=(swarm.address,)))
+    try:
+        transport = TensorTransport(await node.p2p())
+        return await fn(transport)
+    finally:
+        await node.close_p2p()
+        node.shutdown()
+
+
+BAD_FRAMES = {  # case: (stage peer it is sent to, frame, what the error must say)
+    "wrong trailing shape": (1, forward(1, torch.randn(B, T, C + 1), good_targets()), r"shape \(4, 16, 33\).*expects \('B', 16, 32\)"),
+    "wrong dtype": (1, forward(1, torch.randn(B, T, C).half(), good_targets()), r"dtype torch.float16.*expects torch.float32"),
+    "batch too large": (1, forward(1, torch.randn(B + 1, T, C), torch.randint(0, 256, (B + 1, T))), r"batch 5.*1\.\.4"),
+    "NaN activations": (1, forward(1, torch.full((B, T, C), float("nan")), good_targets()), r"NaN or inf"),
+    "inf activations": (1, forward(1, torch.full((B, T, C), float("inf")), good_targets()), r"NaN or inf"),
+    "token out of range": (0, forward(0, torch.full((B, T), 999), good_targets(), route="a b"), r"forward/backward failed"),
+    "missing targets": (1, Frame(kind="forward", run_id="frames", stage=1, step=0, tensors={"x": torch.randn(B, T, C)}), r"needs tensors 'x' and 'targets'"),
+    "another run's id": (1, forward(1, torch.randn(B, T, C), good_targets(), run_id="other"), r"serves run 'frames', not 'other'"),
+    "wrong stage": (1, forward(0, torch.randn(B, T, C), good_targets()), r"serves stage 1, not 0"),
+    "bad loss scale": (1, forward(1, torch.randn(B, T, C), good_targets(), loss_scale=7.0), r"loss_scale"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_FRAMES))
+def test_each_bad_frame_gets_a_precise_error_reply(swarm, case):
+    stage, frame, pattern = BAD_FRAMES[case]
+
+    async def send(transport):
+        with pytest.raises(RemoteError, match=pattern) as info:
+            await transport.call(swarm.peer_ids[stage], handler_name("frames"), frame, timeout_s=30)
+        return info.value
+
+    error = asyncio.run(with_client(swarm, send))  # a fresh client per case: one strike each
+    assert error.retryable is False
+
+
+def test_garbage_bytes_and_oversized_frames_are_refused_before_reading_them(swarm):
+    async def send(transport):
+        p2p = transport.p2p
+        # Not a frame at all.
+        _, reader, writer = await p2p.call_binary_stream_handler(
+            PeerID.from_base58(swarm.peer_ids[1]), handler_name("frames")
+        )
+        writer.write(b"GET / HTTP/1.1\r\n\r\n" + bytes(64))
+        await writer.drain()
+        garbage_reply = await asyncio.wait_for(read_frame(reader), 30)
+        writer.close()
+        # A prefix announcing 2 MiB to a peer whose limit is 1 MiB: answered without the payload.
+        _, reader, writer = await p2p.call_binary_stream_handler(
+            PeerID.from_base58(swarm.small_limit_peer), handler_name("frames")
+        )
+        writer.write(PREFIX.pack(b"STF1", 10, 2 * 2**20))
+        await writer.drain()
+        oversized_reply = await asyncio.wait_for(read_frame(reader), 30)
+        writer.close()
+        return garbage_reply, oversized_reply
+
+    garbage, oversized = asyncio.run(with_client(swarm, send))
+    assert garbage.kind == "error" and "not a swarmtrain frame" in garbage.error_text()
+    assert oversized.kind == "error" and "exceeds the limit of 1048576 bytes" in oversized.error_text()
+
+
+def test_repeat_offender_is_banned_and_the_swarm_keeps_training(swarm):
+    bad = forward(1, torch.randn(B, T, C).half(), good_targets())
+    good_shape = forward(1, torch.randn(B, T, C), good_targets())
+
+    async def offend(transport):
+        peer, name = swarm.peer_ids[1], handler_name("frames")
+        for _ in range(3):
+            with pytest.raises(RemoteError, match="dtype"):
+                await transport.call(peer, name, bad, timeout_s=30)
+        with pytest.raises(RemoteError, match=r"bans you for another \d+ s"):
+            await transport.call(peer, name, good_shape, timeout_s=30)
+
+    asyncio.run(with_client(swarm, offend))
+
+    with swarm.trainer() as trainer:
+        data = TokenBatches(stdlib_text(2**20), seq_len=T, microbatch_size=B, seed=0)
+        results = list(trainer.train(data, steps=3))
+    assert [r.step for r in results] == [0, 1, 2]
+    assert all(r.replays == 0 and 0 < r.loss < 10 for r in results)
