@@ -26,8 +26,8 @@ from hivemind.utils import get_dht_time
 import swarmtrain
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
 from swarmtrain.model import build_stage
-from swarmtrain.swarm import NodeConfig, SwarmNode, stage_primaries
-from swarmtrain.train.reference import stage_state_dict
+from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
+from swarmtrain.train.averaging import ReplicaAverager
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame, error_frame
@@ -92,6 +92,10 @@ class StagePeer:
         self._stop: asyncio.Event | None = None
         self._in_flight = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self._avg_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="stage-average"
+        )
+        self.averager: ReplicaAverager | None = None
         self.on_serving = lambda: None
         """Called once the peer is announced and takes requests (serving or standing by)."""
 
@@ -114,6 +118,9 @@ class StagePeer:
             await self._serve(self.node)
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._avg_pool.shutdown(wait=False, cancel_futures=True)
+            if self.averager is not None:
+                self.averager.shutdown()
             self.node.shutdown()
 
     async def _serve(self, node: SwarmNode) -> None:
@@ -135,12 +142,15 @@ class StagePeer:
             device=cfg.device,
         )
         self.runner = StageRunner(module, manifest.optimizer, microbatch_size=manifest.batch.microbatch_size)
+        self.averager = ReplicaAverager(node.dht, manifest.run_id, self.stage, self.runner.grads())
         self.transport = TensorTransport(await node.p2p(), cfg.transport)
+        await self._sync_from_replica()
         await self.transport.serve(handler_name(manifest.run_id), self._handle)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: stop() is the way out
                 self._loop.add_signal_handler(sig, self._stop.set)
         self._since = get_dht_time()
+        self.state = "serving"
         await self._heartbeat()
         logger.info(
             "serving stage %d (blocks %d-%d) of run %s as %s",
@@ -180,25 +190,59 @@ class StagePeer:
             device=device,
             version=swarmtrain.__version__,
             served=self.served,
+            step=self.runner.step,
             since=self._since,
         )
 
     async def _heartbeat(self) -> None:
-        if self.state in ("joining", "standby"):
-            # A stage already served by another peer keeps that peer authoritative: stand by.
-            primary = stage_primaries(await self.node.peers_async(self.manifest.run_id)).get(self.stage)
-            self.state = (
-                "standby" if primary is not None and primary.peer_id != self.node.peer_id else "serving"
-            )
-            if self.state == "serving":
-                self._since = get_dht_time()
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=self.config.ttl_s)
+
+    async def _live_replicas(self) -> list[PeerRecord]:
+        """Other serving replicas of this stage, furthest step first."""
+        replicas = stage_replicas(await self.node.peers_async(self.manifest.run_id)).get(self.stage, [])
+        others = [r for r in replicas if r.peer_id != self.node.peer_id]
+        return sorted(others, key=lambda r: -r.step)
+
+    async def _sync_from_replica(self) -> bool:
+        """Download parameters and optimizer state from a live replica, if there is one.
+
+        A stage nobody serves keeps its run-seed initialisation. Returns True if state was taken.
+        """
+        for replica in await self._live_replicas():
+            request = Frame(kind="state", run_id=self.manifest.run_id, stage=self.stage)
+            try:
+                reply = await self.transport.call(
+                    replica.peer_id, handler_name(self.manifest.run_id), request, timeout_s=60
+                )
+                await self._compute(self.runner.import_state, reply.tensors, reply.step)
+            except (RemoteError, PeerUnreachableError, BadFrameError) as e:
+                logger.warning("could not take state from replica %s: %s", replica.peer_id[-8:], e)
+                continue
+            logger.info("took the state of step %d from replica %s", reply.step, replica.peer_id[-8:])
+            return True
+        return False
+
+    async def _resync_if_behind(self) -> None:
+        """A replica that missed a step (it joined mid-step, or a commit failed) catches up."""
+        runner = self.runner
+        if self._in_flight or runner.num_pending or runner.num_committed:
+            return
+        replicas = await self._live_replicas()
+        if replicas and replicas[0].step > runner.step:
+            logger.info(
+                "stage %d is at step %d, a replica at %d: resyncing",
+                self.stage,
+                runner.step,
+                replicas[0].step,
+            )
+            await self._sync_from_replica()
 
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
             try:
                 await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
+                await asyncio.wait_for(self._resync_if_behind(), timeout=10 * self.config.ttl_s)
             except Exception as e:  # a DHT hiccup must not stop serving
                 logger.warning("heartbeat failed: %r", e)
 
@@ -229,10 +273,9 @@ class StagePeer:
         if frame.kind == "step":
             return await self._on_step(frame)
         if frame.kind == "state":
-            state = await self._compute(stage_state_dict, self.runner.module)
-            return Frame(
-                kind="state_data", run_id=run_id, stage=self.stage, step=self.runner.step, tensors=state
-            )
+            step = self.runner.step
+            state = await self._compute(self.runner.export_state)
+            return Frame(kind="state_data", run_id=run_id, stage=self.stage, step=step, tensors=state)
         if frame.kind != "forward":
             return error_frame(run_id, f"stage peers do not take {frame.kind!r} frames", retryable=False)
         if self.state == "draining":
@@ -269,18 +312,27 @@ class StagePeer:
         }
 
     async def _on_step(self, frame: Frame) -> Frame:
-        n = frame.meta.get("num_microbatches")
-        if not isinstance(n, int) or n < 1:
+        """Commit a step: check this replica's microbatches, average with the group, step."""
+        run_id, runner = self.manifest.run_id, self.runner
+        n, group = frame.meta.get("num_microbatches"), frame.meta.get("group_size", 1)
+        if frame.meta.get("abort"):
+            await self._compute(runner.discard_step)
+            return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=runner.step)
+        if not isinstance(n, int) or n < 0 or not isinstance(group, int) or group < 1:
             return error_frame(
-                self.manifest.run_id, "step frame needs meta num_microbatches >= 1", retryable=False
+                run_id, "step frame needs meta num_microbatches >= 0 and group_size >= 1", retryable=False
             )
         try:
-            new_step = await self._compute(self.runner.apply_step, frame.step, n)
+            if await self._compute(runner.check_step, frame.step, n):
+                await self._loop.run_in_executor(self._avg_pool, self._average, frame.step, group)
+            new_step = await self._compute(runner.apply_step, frame.step, n)
         except RemoteError as e:
-            return error_frame(
-                self.manifest.run_id, f"stage {self.stage}: {e}", retryable=False, stage=self.stage
-            )
-        return Frame(kind="step_done", run_id=self.manifest.run_id, stage=self.stage, step=new_step)
+            return error_frame(run_id, f"stage {self.stage}: {e}", retryable=e.retryable, stage=self.stage)
+        asyncio.create_task(self._heartbeat())  # let routing see the new step now, not at the next beat
+        return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=new_step)
+
+    def _average(self, step: int, group_size: int) -> None:
+        self.averager.sum_over_group(self.runner.grads(), group_size=group_size, step=step, timeout_s=20)
 
     async def _on_forward(self, frame: Frame) -> Frame:
         runner, manifest = self.runner, self.manifest
@@ -299,7 +351,7 @@ class StagePeer:
                 runner.step = frame.step  # a fresh peer adopts the run's step
             else:
                 raise RemoteError(
-                    f"stage {self.stage} is at step {runner.step}, not {frame.step}", retryable=False
+                    f"stage {self.stage} is at step {runner.step}, not {frame.step}", retryable=True
                 )
         mb = frame.mb_id
         try:

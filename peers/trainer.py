@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError, SwarmError
-from swarmtrain.swarm import NodeConfig, SwarmNode, stage_primaries
+from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame
 from swarmtrain.wire.records import RunManifest
@@ -43,8 +43,9 @@ class TrainerConfig:
     """Run to train; None trains the only run the swarm announces."""
     microbatch_timeout_s: float = 60.0
     """Budget for one microbatch's whole trip: forward through every stage and back."""
-    max_retries: int = 3
-    """Replays of a microbatch after retryable failures before the step fails."""
+    max_retries: int = 6
+    """Replays of a microbatch after retryable failures before the step fails; they back off
+    0.5, 1, 2, 4, 4, ... s, so a dead peer's DHT record (TTL) expires before the last one."""
     wait_for_stages_s: float = 60.0
     """How long to wait for every stage to have a serving peer."""
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -71,6 +72,8 @@ class StepResult:
     seconds: float
     replays: int
     """Microbatches replayed after a retryable failure."""
+    dropped: int = 0
+    """Microbatch gradients a stage stepped without: held by a replica that died during the commit."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,6 +97,7 @@ class Trainer:
             raise
         self.step = 0
         self.trainer_id = self.node.peer_id[-8:]
+        self._known_step: dict[str, int] = {}
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -131,118 +135,82 @@ class Trainer:
 
     # routing
 
-    def route(self) -> list[str]:
-        """Peer ids of the serving peer of each stage, waiting up to wait_for_stages_s."""
-        return self._run(self._route())
+    def _step_of(self, record) -> int:
+        return max(record.step, self._known_step.get(record.peer_id, -1))
 
-    async def _route(self) -> list[str]:
+    async def _replicas(
+        self, stages: list[int] | None = None, *, step: int | None = None
+    ) -> dict[int, list[str]]:
+        """Serving replicas of each of `stages` (default: all) at `step` (default: the trainer's).
+
+        Waits up to wait_for_stages_s for every stage asked for to have one. A replica whose
+        record is a heartbeat behind counts if its last commit reply said it is at `step`;
+        a replica that never served counts too (a fresh peer adopts the run's step).
+        """
+        stages = list(range(self.manifest.num_stages)) if stages is None else stages
+        step = self.step if step is None else step
         deadline = time.monotonic() + self.config.wait_for_stages_s
         while True:
-            primaries = stage_primaries(await self.node.peers_async(self.manifest.run_id))
-            missing = [k for k in range(self.manifest.num_stages) if k not in primaries]
+            by_stage = stage_replicas(await self.node.peers_async(self.manifest.run_id))
+            eligible = {
+                k: [r.peer_id for r in by_stage.get(k, []) if self._step_of(r) == step or r.served == 0]
+                for k in stages
+            }
+            missing = [k for k in stages if not eligible[k]]
             if not missing:
-                return [primaries[k].peer_id for k in range(self.manifest.num_stages)]
+                return eligible
             if time.monotonic() > deadline:
+                seen = "; ".join(
+                    f"stage {k} has replicas at steps {sorted(r.step for r in by_stage[k])}"
+                    for k in missing
+                    if k in by_stage
+                )
                 raise StepFailedError(
-                    f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.manifest.run_id!r}: "
+                    f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.manifest.run_id!r} "
+                    f"at step {step}{' (' + seen + ')' if seen else ''}: "
                     "start one with `swarmtrain join --initial-peers ADDR --stage K`"
                 )
             await asyncio.sleep(0.25)
 
-    async def _sync_step(self, route: list[str]) -> None:
-        """Start from the step the stages are at (all must agree, fresh peers excepted)."""
-        steps = set()
-        for stage, peer in enumerate(route):
-            ping = Frame(kind="ping", run_id=self.manifest.run_id, stage=stage)
-            reply = await self.transport.call(peer, handler_name(self.manifest.run_id), ping, timeout_s=10)
-            if reply.meta.get("served", 0) or reply.step:
-                steps.add(reply.step)
-        if len(steps) > 1:
-            raise StepFailedError(f"the stages are at different steps {sorted(steps)}: restart the run")
-        self.step = steps.pop() if steps else 0
+    def route(self) -> list[str]:
+        """One serving peer per stage (the earliest replica), waiting up to wait_for_stages_s."""
+        replicas = self._run(self._replicas())
+        return [replicas[k][0] for k in range(self.manifest.num_stages)]
+
+    async def _sync_step(self) -> None:
+        """Start from the step the stages' replicas are at (the furthest one)."""
+        by_stage = stage_replicas(await self.node.peers_async(self.manifest.run_id))
+        steps = [0]
+        for stage, records in by_stage.items():
+            for r in records:
+                ping = Frame(kind="ping", run_id=self.manifest.run_id, stage=stage)
+                try:
+                    reply = await self.transport.call(
+                        r.peer_id, handler_name(self.manifest.run_id), ping, timeout_s=10
+                    )
+                except (RemoteError, PeerUnreachableError, BadFrameError):
+                    continue
+                self._known_step[r.peer_id] = reply.step
+                steps.append(reply.step)
+        self.step = max(steps)
 
     def fetch_states(self) -> list[dict[str, torch.Tensor]]:
-        """Each stage's parameters, keyed like `swarmtrain.train.reference` keys them."""
-        return self._run(self._fetch_states())
+        """The parameters of each stage's earliest replica, keyed like `swarmtrain.train.reference`."""
+        return [self.fetch_state(k, p) for k, p in enumerate(self.route())]
 
-    async def _fetch_states(self) -> list[dict[str, torch.Tensor]]:
-        route = await self._route()
+    def fetch_state(self, stage: int, peer: str) -> dict[str, torch.Tensor]:
+        """One replica's parameters, keyed like `swarmtrain.train.reference`."""
 
-        async def fetch(stage: int, peer: str) -> dict[str, torch.Tensor]:
+        async def fetch() -> dict[str, torch.Tensor]:
             frame = Frame(kind="state", run_id=self.manifest.run_id, stage=stage)
             reply = await self.transport.call(peer, handler_name(self.manifest.run_id), frame, timeout_s=60)
-            return {k: v.clone() for k, v in reply.tensors.items()}
+            return {
+                k.removeprefix("param."): v.clone()
+                for k, v in reply.tensors.items()
+                if k.startswith("param.")
+            }
 
-        return list(await asyncio.gather(*(fetch(k, p) for k, p in enumerate(route))))
-
-    # training
-
-    def train(
-        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, steps: int
-    ) -> Iterator[StepResult]:
-        """Run `steps` optimizer steps over microbatches drawn from `batches`; yield each result.
-
-        Each item of `batches` is one microbatch (inputs, targets) with the run's microbatch
-        size. Raises StepFailedError when a step cannot complete.
-        """
-        it = iter(batches)
-        self._run(self._sync_step(self._run(self._route())))
-        m = self.manifest.batch.microbatches_per_step
-        for _ in range(steps):
-            microbatches = []
-            for _ in range(m):
-                try:
-                    microbatches.append(next(it))
-                except StopIteration:
-                    return
-            yield self._run(self._train_step(microbatches))
-
-    async def _train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        started = time.monotonic()
-        step = self.step
-        route = await self._route()
-        window = asyncio.Semaphore(self.manifest.batch.max_in_flight)
-        replays = 0
-        losses: dict[int, float] = {}
-
-        async def one(n: int, x: torch.Tensor, y: torch.Tensor) -> None:
-            nonlocal route, replays
-            async with window:
-                for attempt in range(self.config.max_retries + 1):
-                    try:
-                        losses[n] = await self._send(route, step, n, x, y, len(microbatches))
-                        return
-                    except (RemoteError, PeerUnreachableError, BadFrameError) as e:
-                        if isinstance(e, RemoteError) and not e.retryable:
-                            raise StepFailedError(f"step {step}, microbatch {n}: {e}") from None
-                        if attempt == self.config.max_retries:
-                            raise StepFailedError(
-                                f"step {step}, microbatch {n} failed {attempt + 1} times, last: {e}"
-                            ) from None
-                        logger.warning("replaying microbatch %d of step %d: %s", n, step, e)
-                        replays += 1
-                        route = await self._route()
-
-        tasks = [asyncio.create_task(one(n, x, y)) for n, (x, y) in enumerate(microbatches)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
-        await self._commit(route, step, len(microbatches))
-        self.step = step + 1
-        x0 = microbatches[0][0]
-        samples = sum(x.shape[0] for x, _ in microbatches)
-        tokens = sum(x.numel() for x, _ in microbatches) if not x0.is_floating_point() else samples
-        return StepResult(
-            step=step,
-            loss=sum(losses.values()) / len(losses),
-            samples=samples,
-            tokens=tokens,
-            seconds=time.monotonic() - started,
-            replays=replays,
-        )
+        return self._run(fetch())
 
     async def _send(self, route: list[str], step: int, n: int, x, y, m: int) -> float:
         budget = self.config.microbatch_timeout_s
@@ -263,14 +231,151 @@ class Trainer:
             raise BadFrameError("stage 0 replied without a loss")
         return loss
 
-    async def _commit(self, route: list[str], step: int, m: int) -> None:
-        async def commit(stage: int, peer: str) -> None:
-            frame = Frame(
-                kind="step", run_id=self.manifest.run_id, stage=stage, step=step, meta={"num_microbatches": m}
-            )
-            try:
-                await self.transport.call(peer, handler_name(self.manifest.run_id), frame, timeout_s=30)
-            except (RemoteError, PeerUnreachableError) as e:
-                raise StepFailedError(f"step {step}: stage {stage} could not step: {e}") from None
+    # training
 
-        await asyncio.gather(*(commit(k, p) for k, p in enumerate(route)))
+    def train(
+        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, steps: int
+    ) -> Iterator[StepResult]:
+        """Run `steps` optimizer steps over microbatches drawn from `batches`; yield each result.
+
+        Each item of `batches` is one microbatch (inputs, targets) with the run's microbatch
+        size. Raises StepFailedError when a step cannot complete.
+        """
+        it = iter(batches)
+        self._run(self._replicas())
+        self._run(self._sync_step())
+        m = self.manifest.batch.microbatches_per_step
+        for _ in range(steps):
+            microbatches = []
+            for _ in range(m):
+                try:
+                    microbatches.append(next(it))
+                except StopIteration:
+                    return
+            yield self._run(_Step(self, microbatches).run())
+
+
+class _Step:
+    """One optimizer step: route, send and replay microbatches, then commit every stage."""
+
+    def __init__(self, trainer: Trainer, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.t = trainer
+        self.microbatches = microbatches
+        self.step = trainer.step
+        self.num_stages = trainer.manifest.num_stages
+        self.routes: dict[int, list[str]] = {}
+        """The route each microbatch last completed through."""
+        self.losses: dict[int, float] = {}
+        self.replays = 0
+        self.dropped = 0
+        self.window = asyncio.Semaphore(trainer.manifest.batch.max_in_flight)
+
+    def _choose(self, eligible: dict[int, list[str]], old: list[str] | None) -> list[str]:
+        """Keep the replicas of `old` that still serve (they hold this microbatch's gradients
+        already, and dedupe a replay); fill the rest with the least loaded replica."""
+        load: dict[str, int] = {}
+        for route in self.routes.values():
+            for peer in route:
+                load[peer] = load.get(peer, 0) + 1
+        route = []
+        for k in range(self.num_stages):
+            if old is not None and old[k] in eligible[k]:
+                route.append(old[k])
+            else:
+                route.append(min(eligible[k], key=lambda p: (load.get(p, 0), eligible[k].index(p))))
+            load[route[-1]] = load.get(route[-1], 0) + 1
+        return route
+
+    async def _microbatch(self, n: int, old: list[str] | None) -> None:
+        t, cfg = self.t, self.t.config
+        x, y = self.microbatches[n]
+        async with self.window:
+            for attempt in range(cfg.max_retries + 1):
+                route = self._choose(await t._replicas(), old)
+                try:
+                    self.losses[n] = await t._send(route, self.step, n, x, y, len(self.microbatches))
+                    self.routes[n] = route
+                    return
+                except (RemoteError, PeerUnreachableError, BadFrameError) as e:
+                    if isinstance(e, RemoteError) and not e.retryable:
+                        raise StepFailedError(f"step {self.step}, microbatch {n}: {e}") from None
+                    if attempt == cfg.max_retries:
+                        raise StepFailedError(
+                            f"step {self.step}, microbatch {n} failed {attempt + 1} times, last: {e}"
+                        ) from None
+                    logger.warning("replaying microbatch %d of step %d: %s", n, self.step, e)
+                    self.replays += 1
+                    old = route
+                    await asyncio.sleep(min(0.5 * 2**attempt, 4.0))
+
+    async def _all(self, jobs) -> None:
+        tasks = [asyncio.create_task(job) for job in jobs]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    async def run(self) -> StepResult:
+        started = time.monotonic()
+        await self._all(self._microbatch(n, None) for n in range(len(self.microbatches)))
+        # A replica that died after its share of work took those gradients with it: replay
+        # such microbatches (surviving replicas on their route dedupe them) before committing.
+        for _ in range(self.t.config.max_retries + 1):
+            eligible = await self.t._replicas()
+            lost = [
+                n
+                for n, r in self.routes.items()
+                if any(r[k] not in eligible[k] for k in range(self.num_stages))
+            ]
+            if not lost:
+                break
+            self.replays += len(lost)
+            await self._all(self._microbatch(n, self.routes[n]) for n in lost)
+        await self._all(self._commit(k) for k in range(self.num_stages))
+        self.t.step = self.step + 1
+        x0 = self.microbatches[0][0]
+        samples = sum(x.shape[0] for x, _ in self.microbatches)
+        tokens = samples if x0.is_floating_point() else sum(x.numel() for x, _ in self.microbatches)
+        return StepResult(
+            step=self.step,
+            loss=sum(self.losses.values()) / len(self.losses),
+            samples=samples,
+            tokens=tokens,
+            seconds=time.monotonic() - started,
+            replays=self.replays,
+            dropped=self.dropped,
+        )
+
+    async def _commit(self, stage: int) -> None:
+        """Step every live replica of `stage` together; a replica lost during the commit is
+        left out and its microbatches are counted as dropped for this stage."""
+        t, run_id = self.t, self.t.manifest.run_id
+        last: Exception | None = None
+        for attempt in range(t.config.max_retries + 1):
+            records = stage_replicas(await t.node.peers_async(run_id)).get(stage, [])
+            replicas = [r.peer_id for r in records if t._step_of(r) == self.step or r.served == 0]
+            if not replicas:
+                if attempt and any(t._step_of(r) == self.step + 1 for r in records):
+                    return  # an earlier attempt stepped every replica; only its replies were lost
+                replicas = (await t._replicas([stage]))[stage]  # wait for one to (re)appear
+            counts = {p: sum(1 for r in self.routes.values() if r[stage] == p) for p in replicas}
+            self.dropped = max(self.dropped, len(self.routes) - sum(counts.values()))
+
+            async def commit(peer: str, counts=counts, group_size=len(replicas)) -> None:
+                meta = {"num_microbatches": counts[peer], "group_size": group_size}
+                frame = Frame(kind="step", run_id=run_id, stage=stage, step=self.step, meta=meta)
+                reply = await t.transport.call(peer, handler_name(run_id), frame, timeout_s=60)
+                t._known_step[peer] = reply.step
+
+            results = await asyncio.gather(*(commit(p) for p in replicas), return_exceptions=True)
+            errors = [e for e in results if isinstance(e, BaseException)]
+            if not errors:
+                return
+            last = errors[0]
+            if isinstance(last, RemoteError) and not last.retryable:
+                raise StepFailedError(f"step {self.step}: stage {stage} could not step: {last}") from None
+            logger.warning("retrying the commit of stage %d, step %d: %s", stage, self.step, last)
+            await asyncio.sleep(min(0.5 * 2**attempt, 4.0))
+        raise StepFailedError(f"step {self.step}: stage {stage} could not step: {last}")

@@ -566,7 +566,7 @@ def test_batch_config():
 
 def test_peer_record():
     rec = PeerRecord(
-        peer_id="QmPeer", role="stage", stage=2, state="standby", device="cpu", served=5, since=1.5
+        peer_id="QmPeer", role="stage", stage=2, state="joining", device="cpu", served=5, since=1.5
     )
     back = PeerRecord.from_dict(msgpack.unpackb(msgpack.packb(rec.to_dict()), raw=False))
     assert back == rec

@@ -1,3 +1,3 @@
-from swarmtrain.swarm.node import NodeConfig, SwarmNode, check_initial_peers, stage_primaries
+from swarmtrain.swarm.node import NodeConfig, SwarmNode, check_initial_peers, stage_replicas
 
-__all__ = ["NodeConfig", "SwarmNode", "check_initial_peers", "stage_primaries"]
+__all__ = ["NodeConfig", "SwarmNode", "check_initial_peers", "stage_replicas"]

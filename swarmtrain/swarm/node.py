@@ -273,17 +273,10 @@ class SwarmNode:
         return self._parse_peers(self.dht.get(peers_key(run_id), latest=True))
 
 
-def stage_primaries(records: list[PeerRecord]) -> dict[int, PeerRecord]:
-    """The peer that serves each stage: the serving stage peer that started serving first.
-
-    Later peers of a stage stand by (state 'standby') until the primary is gone; they are
-    never routed to, so one set of parameters per stage stays authoritative.
-    """
-    primaries: dict[int, PeerRecord] = {}
-    for r in records:
-        if r.role != "stage" or r.state != "serving":
-            continue
-        best = primaries.get(r.stage)
-        if best is None or (r.since, r.peer_id) < (best.since, best.peer_id):
-            primaries[r.stage] = r
-    return primaries
+def stage_replicas(records: list[PeerRecord]) -> dict[int, list[PeerRecord]]:
+    """The serving peers of each stage, earliest first (ties broken by peer id)."""
+    out: dict[int, list[PeerRecord]] = {}
+    for r in sorted(records, key=lambda r: (r.since, r.peer_id)):
+        if r.role == "stage" and r.state == "serving":
+            out.setdefault(r.stage, []).append(r)
+    return out

@@ -50,7 +50,15 @@ class StageRunner:
     def __init__(self, module: StageModule, optimizer: OptimizerConfig, *, microbatch_size: int):
         self.module = module
         self.device = next(module.parameters()).device
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.named_params = {
+            f"{key}.{name}": p
+            for key, part in module.parts()
+            for name, p in part.named_parameters()
+            if p.requires_grad
+        }
+        self.params = list(self.named_params.values())
+        for p in self.params:  # persistent gradient buffers: replicas average them in place
+            p.grad = torch.zeros_like(p)
         self.optimizer = make_optimizer(self.params, optimizer)
         shape, dtype = module.input_spec(microbatch_size)
         self.input_spec = TensorSpec(tuple(shape), dtype, microbatch_size)
@@ -121,11 +129,7 @@ class StageRunner:
         if mb_id not in self._committed:
             self._committed.add(mb_id)
             for p, g in zip(self.params, grads[len(wrt) - len(self.params) :]):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g.detach().clone()
-                else:
+                if g is not None:
                     p.grad.add_(g)
         return grad_x
 
@@ -133,14 +137,14 @@ class StageRunner:
         """Forget a microbatch whose downstream failed; its replay will run forward again."""
         self._pending.pop(mb_id, None)
 
-    def apply_step(self, step: int, num_microbatches: int) -> int:
-        """Step the optimizer for `step` if all its microbatches are committed; returns the new step.
+    def check_step(self, step: int, num_microbatches: int) -> bool:
+        """Whether `step` still needs applying here (False: it is the step just applied).
 
-        A repeated call for the step just applied is answered without stepping again.
-        Raises RemoteError (not retryable) when gradients are missing.
+        Raises RemoteError (not retryable) for another step, or when this replica does not
+        hold the gradients of exactly `num_microbatches` microbatches of `step`.
         """
         if step == self.step - 1 and self.steps_applied > 0 and not self._committed:
-            return self.step
+            return False
         if step != self.step:
             raise RemoteError(f"this stage is at step {self.step}, not {step}", retryable=False)
         if len(self._committed) != num_microbatches:
@@ -149,10 +153,68 @@ class StageRunner:
                 f"of step {step}: replay the missing ones before stepping",
                 retryable=False,
             )
+        return True
+
+    def grads(self) -> list[Tensor]:
+        """The gradient buffers, in parameter order (replicas average these before stepping)."""
+        return [p.grad for p in self.params]
+
+    def apply_step(self, step: int, num_microbatches: int) -> int:
+        """Step the optimizer for `step` if all its microbatches are committed; returns the new step.
+
+        A replica may hold 0 microbatches of a step: after averaging, its gradients are the
+        group's. A repeated call for the step just applied is answered without stepping again.
+        """
+        if not self.check_step(step, num_microbatches):
+            return self.step
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad.zero_()
         self._committed.clear()
         self._pending.clear()
         self.step += 1
         self.steps_applied += 1
         return self.step
+
+    def discard_step(self) -> None:
+        """Forget this step's gradients and in-flight work (the trainer will replay the step)."""
+        for p in self.params:
+            p.grad.zero_()
+        self._committed.clear()
+        self._pending.clear()
+
+    # state transfer between replicas
+
+    def export_state(self) -> dict[str, Tensor]:
+        """Parameters ('param.KEY') and optimizer state ('opt.I.NAME'), as CPU copies."""
+        out = {f"param.{k}": p.detach().cpu().clone() for k, p in self.named_params.items()}
+        for i, p in enumerate(self.params):
+            for name, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor):
+                    out[f"opt.{i}.{name}"] = value.detach().cpu().clone()
+        return out
+
+    def import_state(self, state: dict[str, Tensor], step: int) -> None:
+        """Take over a live replica's `export_state()` at `step`; raises BadFrameError if it does not fit."""
+        want = {f"param.{k}" for k in self.named_params}
+        have = {k for k in state if k.startswith("param.")}
+        if have != want:
+            raise BadFrameError(
+                f"replica state has parameters {len(have)}, this stage has {len(want)} (or other names)"
+            )
+        with torch.no_grad():
+            for k, p in self.named_params.items():
+                value = state[f"param.{k}"]
+                if value.shape != p.shape or value.dtype != p.dtype:
+                    raise BadFrameError(
+                        f"replica state {k!r} has shape {tuple(value.shape)}, expected {tuple(p.shape)}"
+                    )
+                p.copy_(value)
+        self.optimizer.state.clear()
+        for key, value in state.items():
+            if key.startswith("opt."):
+                _, index, name = key.split(".", 2)
+                p = self.params[int(index)]
+                self.optimizer.state[p][name] = value.to(p.device).clone()
+        self.discard_step()
+        self.step = step

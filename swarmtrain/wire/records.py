@@ -17,7 +17,7 @@ from swarmtrain.errors import ConfigError
 WIRE_VERSION = 1
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PEER_ROLES = ("coordinator", "stage", "trainer")
-PEER_STATES = ("joining", "standby", "serving", "draining")
+PEER_STATES = ("joining", "serving", "draining")
 
 
 def check_run_id(run_id: str) -> str:
@@ -233,6 +233,8 @@ class PeerRecord:
     """swarmtrain version of the peer."""
     served: int = 0
     """Microbatches served so far (forward+backward)."""
+    step: int = 0
+    """Optimizer step the peer's parameters are at (stage peers)."""
     since: float = 0.0
     """DHT time the peer started serving its stage; the earliest serving peer is the stage's primary."""
 
