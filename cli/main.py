@@ -393,6 +393,51 @@ def train(
 
 
 @app.command()
+def probe(
+    gpu: Annotated[str, typer.Option(help="Device to measure: auto, cpu, cuda or cuda:N.")] = "auto",
+    dtype: Annotated[
+        str,
+        typer.Option(help="The run's dtype: float32, bfloat16 or float16 (a CPU is measured in float32)."),
+    ] = "float32",
+    seconds: Annotated[
+        float, typer.Option(min=0.01, help="How long to time matmuls, after a short warm-up.")
+    ] = 1.0,
+    spot: Annotated[bool, typer.Option("--spot", help="This machine may be preempted at any time.")] = False,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Cap on the memory the run may use, e.g. 12GB, 512MiB, 1.5G.", show_default="what is free"
+        ),
+    ] = None,
+    slowdown: Annotated[
+        float, typer.Option(min=1.0, help="Report compute this many times slower (to test uneven swarms).")
+    ] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the capacity as JSON on stdout.")] = False,
+) -> None:
+    """Measure what this machine offers a swarm: device, free memory and matmul throughput."""
+    from swarmtrain.peers.probe import format_capacity_table, parse_bytes
+    from swarmtrain.peers.probe import probe as measure
+
+    def main() -> None:
+        capacity = measure(
+            gpu,
+            dtype=dtype,
+            seconds=seconds,
+            is_spot=spot,
+            max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
+            slowdown=slowdown,
+        )
+        if as_json:
+            typer.echo(json.dumps(capacity.to_dict(), indent=2))
+        else:
+            from rich.console import Console
+
+            Console().print(format_capacity_table(capacity))
+
+    run_guarded(main)
+
+
+@app.command()
 def demo(
     stages: Annotated[
         int, typer.Option(help="Pipeline stages, 1 to n_layer; one stage peer process is started per stage.")
