@@ -96,6 +96,7 @@ class StagePeer:
             max_workers=1, thread_name_prefix="stage-average"
         )
         self.averager: ReplicaAverager | None = None
+        self._beat_soon: asyncio.Task | None = None
         self.on_serving = lambda: None
         """Called once the peer is announced and takes requests (serving or standing by)."""
 
@@ -164,7 +165,10 @@ class StagePeer:
         beats = asyncio.create_task(self._heartbeats())
         await self._stop.wait()
         await self._drain()
-        beats.cancel()
+        for task in (beats, self._beat_soon):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(beats, *([self._beat_soon] if self._beat_soon else []), return_exceptions=True)
 
     async def _drain(self) -> None:
         """Stop taking new work, let in-flight microbatches finish, announce we are leaving."""
@@ -328,7 +332,7 @@ class StagePeer:
             new_step = await self._compute(runner.apply_step, frame.step, n)
         except RemoteError as e:
             return error_frame(run_id, f"stage {self.stage}: {e}", retryable=e.retryable, stage=self.stage)
-        asyncio.create_task(self._heartbeat())  # let routing see the new step now, not at the next beat
+        self._beat_soon = asyncio.create_task(self._heartbeat())  # routing sees the new step now
         return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=new_step)
 
     def _average(self, step: int, group_size: int) -> None:
