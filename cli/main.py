@@ -136,6 +136,18 @@ def parse_model_config(text: str) -> dict:
     return out
 
 
+def parse_stage_bounds(text: str | None) -> tuple[int, ...] | None:
+    """'0,3,5,6' -> (0, 3, 5, 6); the manifest checks that they rise from 0 to the block count."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--stage-bounds {text!r} must be comma-separated block indices, e.g. 0,3,5,6"
+        ) from None
+
+
 def run_guarded(fn, *args, **kwargs):
     """Call `fn`, turning swarmtrain's errors into one line and exit code 2."""
     try:
@@ -176,6 +188,14 @@ def coordinator(
             help="Pipeline stages, 1 to the model's block count (tiny-gpt: n_layer); blocks are split evenly."
         ),
     ] = 3,
+    stage_bounds: Annotated[
+        str | None,
+        typer.Option(
+            help="Unequal stages as block boundaries, e.g. 0,3,5,6: stage k holds blocks b[k]..b[k+1]-1. "
+            "Overrides --stages.",
+            show_default="an even split",
+        ),
+    ] = None,
     optimizer: Annotated[str, typer.Option(help="Optimizer every stage runs: adamw or sgd.")] = "adamw",
     lr: Annotated[float, typer.Option(help="Learning rate, > 0.")] = 3e-3,
     weight_decay: Annotated[
@@ -219,6 +239,7 @@ def coordinator(
             model=model,
             model_config=parse_model_config(model_config),
             num_stages=stages,
+            stage_bounds=parse_stage_bounds(stage_bounds),
             optimizer=OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay),
             batch=BatchConfig(
                 microbatch_size=microbatch_size,
@@ -265,7 +286,7 @@ def join(
     stage: Annotated[
         int | None,
         typer.Option(
-            help="Stage to serve, 0 to the run's stages - 1.", show_default="the stage with the fewest peers"
+            help="Stage to serve, 0 to the run's stages - 1.", show_default="the stage that needs a peer most"
         ),
     ] = None,
     gpu: Annotated[
@@ -295,11 +316,22 @@ def join(
     max_strikes: Annotated[
         int, typer.Option(min=1, help="Bad frames from one peer before it is banned (for 60 s).")
     ] = 3,
+    spot: Annotated[bool, typer.Option("--spot", help="This machine may be preempted at any time.")] = False,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="Memory this peer may use, e.g. 12GB, 512MiB; stages that need more are refused.",
+            show_default="what is free",
+        ),
+    ] = None,
+    slowdown: Annotated[
+        float, typer.Option(min=1.0, help="Make compute take this many times longer (emulates a slower GPU).")
+    ] = 1.0,
     verbose: Verbose = False,
 ) -> None:
     """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
     setup_logging(verbose)
-    from swarmtrain.peers.probe import resolve_device
+    from swarmtrain.peers.probe import parse_bytes, resolve_device
     from swarmtrain.peers.stage import StageConfig, StagePeer
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.transport import TransportConfig
@@ -314,6 +346,9 @@ def join(
             device=resolve_device(gpu),
             num_threads=threads,
             transport=TransportConfig(max_frame_bytes=int(max_frame_mb * 2**20), max_strikes=max_strikes),
+            slowdown=slowdown,
+            max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
+            is_spot=spot,
         )
         peer = StagePeer(config)
         if ready_file is not None:
@@ -458,6 +493,14 @@ def demo(
     ] = 4,
     lr: Annotated[float, typer.Option(help="Learning rate (AdamW), > 0.")] = 3e-3,
     port: Annotated[int, typer.Option(help="Coordinator TCP port, 0..65535; 0 picks a free port.")] = 0,
+    heterogeneous: Annotated[
+        bool,
+        typer.Option(
+            "--heterogeneous",
+            help="Start 4 peers, two of them 4x slower (--slowdown), and plan unequal stages and replicas "
+            "for them from measured capacity (overrides --stages).",
+        ),
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print a machine-readable summary (JSON) on stdout at the end.")
     ] = False,
@@ -475,6 +518,7 @@ def demo(
             microbatches_per_step=microbatches_per_step,
             lr=lr,
             port=port,
+            heterogeneous=heterogeneous,
         )
         summary = run_demo(config, quiet=as_json)
         if as_json:

@@ -39,7 +39,9 @@ class CoordinatorConfig:
     model_config: dict = field(default_factory=dict)
     """Keyword arguments for the builder."""
     num_stages: int = 3
-    """Pipeline stages; the blocks are split evenly between them."""
+    """Pipeline stages; the blocks are split evenly between them unless `stage_bounds` is given."""
+    stage_bounds: tuple[int, ...] | None = None
+    """Explicit, possibly unequal stages: stage k holds blocks [b[k], b[k+1]) (e.g. from the planner)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     seed: int = 0
@@ -63,7 +65,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         model=config.model,
         model_config=dict(config.model_config),
         num_blocks=model.num_blocks,
-        stage_bounds=even_split(model.num_blocks, config.num_stages),
+        stage_bounds=config.stage_bounds or even_split(model.num_blocks, config.num_stages),
         optimizer=config.optimizer,
         batch=config.batch,
         seed=config.seed,

@@ -23,6 +23,8 @@ from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig, cli_command
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
 
 DEMO_MODEL = {"n_layer": 6, "n_head": 4, "d_model": 128, "seq_len": 64, "vocab_size": 256}
+HETEROGENEOUS_SLOWDOWNS = (1.0, 1.0, 4.0, 4.0)
+"""The --heterogeneous swarm: two peers at this machine's speed, two 4x slower."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,34 +38,100 @@ class DemoConfig:
     lr: float = 3e-3
     port: int = 0
     """Coordinator port (0: any free port)."""
+    heterogeneous: bool = False
+    """Start peers of unequal speed (HETEROGENEOUS_SLOWDOWNS) and plan the stages for them."""
+
+
+def plan_heterogeneous(config: DemoConfig, model_config: dict, batch: BatchConfig):
+    """Measure this machine once, derive each demo peer's capacity from its slowdown, plan."""
+    from swarmtrain.peers.planning import LOOPBACK_BYTES_PER_S, plan_for_peers
+    from swarmtrain.peers.probe import probe
+    from swarmtrain.plan import PeerCapacity
+
+    cap = probe("cpu", seconds=0.3)
+    peers = [
+        PeerCapacity(
+            peer_id=f"peer{i}",
+            flops_per_s=cap.matmul_flops_per_s / slowdown,
+            memory_bytes=cap.usable_memory_bytes / len(HETEROGENEOUS_SLOWDOWNS),
+            bandwidth_bytes_per_s=LOOPBACK_BYTES_PER_S,
+        )
+        for i, slowdown in enumerate(HETEROGENEOUS_SLOWDOWNS)
+    ]
+    plan = plan_for_peers(
+        "tiny-gpt",
+        model_config,
+        peers,
+        microbatch_size=batch.microbatch_size,
+        max_in_flight=batch.max_in_flight,
+        microbatches_per_step=batch.microbatches_per_step,
+    )
+    stages: list[list[float]] = [[] for _ in range(plan.num_stages)]
+    for peer_id, stage in sorted(plan.assignments.items()):
+        stages[stage].append(HETEROGENEOUS_SLOWDOWNS[int(peer_id.removeprefix("peer"))])
+    return plan, stages
+
+
+def _describe_plan(plan, stages: list[list[float]]) -> list[dict]:
+    return [
+        {
+            "stage": k,
+            "blocks": [plan.stage_bounds[k], plan.stage_bounds[k + 1] - 1],
+            "peer_slowdowns": slowdowns,
+            "predicted_tokens_per_s": round(plan.stage_tokens_per_s[k]),
+        }
+        for k, slowdowns in enumerate(stages)
+    ]
 
 
 def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
     """Run the demo; returns the summary (also printed unless `quiet`)."""
     console = Console(stderr=quiet)
     model_config = DEMO_MODEL | config.model_config
+    batch = BatchConfig(
+        microbatch_size=config.microbatch_size,
+        microbatches_per_step=config.microbatches_per_step,
+        max_in_flight=max(config.num_stages, config.microbatches_per_step),
+    )
+    bounds, stage_args, layout = None, {}, None
+    if config.heterogeneous:
+        with console.status("measuring this machine and planning stages for peers of unequal speed ..."):
+            plan, stages = plan_heterogeneous(config, model_config, batch)
+        bounds, layout = plan.stage_bounds, _describe_plan(plan, stages)
+        stage_args = {k: ("--slowdown", str(s[0])) for k, s in enumerate(stages)}
+        for row in layout:
+            console.print(
+                f"stage {row['stage']}: blocks {row['blocks'][0]}-{row['blocks'][1]} on peers with slowdown "
+                f"{', '.join(f'{s:g}x' for s in row['peer_slowdowns'])} (predicted {row['predicted_tokens_per_s']} tokens/s)"
+            )
     swarm_config = LocalSwarmConfig(
         run_id="demo",
         model="tiny-gpt",
         model_config=model_config,
         num_stages=config.num_stages,
+        stage_bounds=bounds,
+        stage_args=stage_args,
         optimizer=OptimizerConfig(lr=config.lr),
-        batch=BatchConfig(
-            microbatch_size=config.microbatch_size,
-            microbatches_per_step=config.microbatches_per_step,
-            max_in_flight=max(config.num_stages, config.microbatches_per_step),
-        ),
+        batch=batch,
         coordinator_port=config.port,
     )
+    num_peers = len(HETEROGENEOUS_SLOWDOWNS) if config.heterogeneous else config.num_stages
     started = time.monotonic()
-    with console.status(f"starting a coordinator and {config.num_stages} stage peers on 127.0.0.1 ..."):
+    with console.status(f"starting a coordinator and {num_peers} stage peers on 127.0.0.1 ..."):
         swarm = LocalSwarm(swarm_config)
         swarm.__enter__()
+        if config.heterogeneous:  # the replicas beyond each stage's first peer
+            for k, slowdowns in enumerate(stages):
+                for s in slowdowns[1:]:
+                    swarm.spawn_stage(k, extra_args=("--slowdown", str(s)))
     try:
         console.print(f"[bold]swarm up[/] in {time.monotonic() - started:.1f} s; logs in {swarm.log_dir}")
         console.print("join it from another terminal with:")
         console.print(f"  swarmtrain join --initial-peers {swarm.address}", soft_wrap=True, highlight=False)
-        return _train(swarm, config, console, model_config, quiet)
+        summary = _train(swarm, config, console, model_config, quiet)
+        if layout is not None:
+            summary["layout"] = layout
+        return summary
     except KeyboardInterrupt:
         console.print("interrupted: stopping every process of the demo")
         raise
@@ -113,7 +181,7 @@ def _train(swarm: LocalSwarm, config: DemoConfig, console: Console, model_config
     tokens = sum(r["tokens"] for r in records)
     tail = records[-min(10, len(records)) :]
     summary = {
-        "stages": config.num_stages,
+        "stages": swarm.num_stages,
         "steps": len(records),
         "model": model_config,
         "initial_loss": records[0]["loss"],

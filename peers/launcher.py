@@ -30,6 +30,10 @@ class LocalSwarmConfig:
     model: str = "tiny-gpt"
     model_config: dict = field(default_factory=dict)
     num_stages: int = 3
+    stage_bounds: tuple[int, ...] | None = None
+    """Explicit (unequal) stage boundaries; None splits the blocks evenly into num_stages."""
+    stage_args: dict = field(default_factory=dict)
+    """Extra `swarmtrain join` flags for the first peer of a stage, e.g. {2: ("--slowdown", "4")}."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     seed: int = 0
@@ -130,6 +134,7 @@ class LocalSwarm:
                 "--model", cfg.model,
                 "--model-config", json.dumps(cfg.model_config),
                 "--stages", str(cfg.num_stages),
+                *_optional("--stage-bounds", ",".join(map(str, cfg.stage_bounds)) if cfg.stage_bounds else None),
                 "--optimizer", cfg.optimizer.name,
                 "--lr", str(cfg.optimizer.lr),
                 "--weight-decay", str(cfg.optimizer.weight_decay),
@@ -143,9 +148,18 @@ class LocalSwarm:
             ],
         )  # fmt: skip
         self.address = self._wait_file("coordinator", address_file)
-        names = [self.spawn_stage(k, wait=False) for k in range(cfg.num_stages)]
+        num_stages = self.num_stages
+        names = [
+            self.spawn_stage(k, extra_args=tuple(cfg.stage_args.get(k, ())), wait=False)
+            for k in range(num_stages)
+        ]
         for name in names:
             self.wait_ready(name)
+
+    @property
+    def num_stages(self) -> int:
+        bounds = self.config.stage_bounds
+        return len(bounds) - 1 if bounds else self.config.num_stages
 
     def spawn_stage(self, stage: int | None, *, extra_args: tuple[str, ...] = (), wait: bool = True) -> str:
         """Start one more stage peer (of `stage`, or of the stage that needs it); returns its name."""

@@ -25,7 +25,7 @@ from hivemind.utils import get_dht_time
 
 import swarmtrain
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
-from swarmtrain.model import build_stage
+from swarmtrain.model import build_model, build_stage
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.train.averaging import ReplicaAverager
 from swarmtrain.train.stage_runner import StageRunner
@@ -56,6 +56,14 @@ class StageConfig:
     """Seconds between announcements in the DHT."""
     ttl_s: float = 6.0
     """Lifetime of an announcement: a peer silent for this long drops out of routing."""
+    slowdown: float = 1.0
+    """Make compute take this many times longer (emulates a slower device on one machine)."""
+    max_memory_bytes: int | None = None
+    """Memory this peer may use; a stage that needs more is refused."""
+    is_spot: bool = False
+    """The machine may be preempted at any time (announced; planners prefer others for scarce stages)."""
+    probe_s: float = 0.3
+    """Seconds of matmul timing in the start-up capacity probe."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, how long to wait for in-flight microbatches before leaving."""
     transport: TransportConfig = field(default_factory=TransportConfig)
@@ -63,17 +71,56 @@ class StageConfig:
     def __post_init__(self):
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
             raise ConfigError(f"need 0 < heartbeat_s < ttl_s, got {self.heartbeat_s} and {self.ttl_s}")
+        if self.slowdown < 1:
+            raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
         if self.stage is not None and self.stage < 0:
             raise ConfigError(f"--stage must be >= 0, got {self.stage}")
 
 
-def choose_stage(manifest: RunManifest, records: list[PeerRecord]) -> int:
-    """The stage with the fewest live peers (the lowest index among ties)."""
+def choose_stage(manifest: RunManifest, records: list[PeerRecord], fits: list[bool] | None = None) -> int:
+    """The stage that needs a peer most: the lowest measured compute per block among the
+    stages this peer fits (a stage with no peer first), the lowest index among ties."""
+    fits = fits or [True] * manifest.num_stages
+    flops = [0.0] * manifest.num_stages
     counts = [0] * manifest.num_stages
     for r in records:
         if r.role == "stage" and 0 <= r.stage < manifest.num_stages and r.state != "draining":
             counts[r.stage] += 1
-    return min(range(manifest.num_stages), key=lambda k: (counts[k], k))
+            flops[r.stage] += float(r.capacity.get("flops_per_s", 1.0))
+    candidates = [k for k in range(manifest.num_stages) if fits[k]]
+    if not candidates:
+        raise ConfigError("this peer's --max-memory fits no stage of the run: raise it, or train instead")
+
+    def need(k: int) -> tuple:
+        start, end = manifest.stage_span(k)
+        return (counts[k] > 0, flops[k] / (end - start), counts[k], k)
+
+    return min(candidates, key=need)
+
+
+def stage_memory_bytes(manifest: RunManifest) -> list[int]:
+    """Estimated memory one replica of each stage needs: weights, gradients, optimizer state,
+    and the activations of the microbatches it may hold in flight."""
+    from swarmtrain.model.costs import block_costs
+
+    costs = block_costs(
+        manifest.model,
+        manifest.model_config,
+        microbatch_size=manifest.batch.microbatch_size,
+        optimizer=manifest.optimizer.name,
+    )
+    model = build_model(manifest.model, manifest.model_config, device="meta")
+    tokens_per_sample = model.input_shape[0] if model.input_shape else 1  # (T,) for token models
+    tokens = tokens_per_sample * manifest.batch.microbatch_size * manifest.batch.max_in_flight
+    out = []
+    for k in range(manifest.num_stages):
+        start, end = manifest.stage_span(k)
+        blocks = costs[start:end]
+        out.append(
+            sum(c.state_bytes for c in blocks)
+            + int(tokens * sum(c.activation_bytes_per_token for c in blocks))
+        )
+    return out
 
 
 class StagePeer:
@@ -97,6 +144,7 @@ class StagePeer:
         )
         self.averager: ReplicaAverager | None = None
         self._beat_soon: asyncio.Task | None = None
+        self.capacity: dict = {}
         self.on_serving = lambda: None
         """Called once the peer is announced and takes requests (serving or standing by)."""
 
@@ -127,11 +175,20 @@ class StagePeer:
     async def _serve(self, node: SwarmNode) -> None:
         cfg = self.config
         self.manifest = manifest = node.require_manifest(cfg.run_id)
-        self.stage = (
-            cfg.stage
-            if cfg.stage is not None
-            else choose_stage(manifest, await node.peers_async(manifest.run_id))
-        )
+        self.capacity = await self._loop.run_in_executor(None, self._probe)
+        fits = [True] * manifest.num_stages
+        if cfg.max_memory_bytes is not None:
+            needs = stage_memory_bytes(manifest)
+            fits = [n <= cfg.max_memory_bytes for n in needs]
+            if cfg.stage is not None and manifest.stage_span(cfg.stage) and not fits[cfg.stage]:
+                raise ConfigError(
+                    f"stage {cfg.stage} needs about {needs[cfg.stage] / 2**20:.1f} MiB, more than --max-memory "
+                    f"{cfg.max_memory_bytes / 2**20:.1f} MiB: pick another --stage or raise --max-memory"
+                )
+        if cfg.stage is None:
+            self.stage = choose_stage(manifest, await node.peers_async(manifest.run_id), fits)
+        else:
+            self.stage = cfg.stage
         start, end = manifest.stage_span(self.stage)
         module = build_stage(
             manifest.model,
@@ -195,6 +252,7 @@ class StagePeer:
             version=swarmtrain.__version__,
             served=self.served,
             step=self.runner.step,
+            capacity=self.capacity,
             since=self._since,
         )
 
@@ -252,8 +310,35 @@ class StagePeer:
 
     # serving
 
+    def _probe(self) -> dict:
+        from swarmtrain.peers.probe import probe
+
+        cfg = self.config
+        cap = probe(
+            cfg.device,
+            seconds=cfg.probe_s,
+            is_spot=cfg.is_spot,
+            max_memory_bytes=cfg.max_memory_bytes,
+            slowdown=cfg.slowdown,
+        )
+        return {
+            "flops_per_s": cap.matmul_flops_per_s,
+            "memory_bytes": cap.usable_memory_bytes,
+            "is_spot": cap.is_spot,
+            "device_name": cap.device_name,
+            "slowdown": cap.slowdown,
+        }
+
+    def _timed(self, fn, *args):
+        """Run `fn` on the compute thread; with --slowdown F, hold the thread F times as long."""
+        started = time.perf_counter()
+        result = fn(*args)
+        if self.config.slowdown > 1:
+            time.sleep((self.config.slowdown - 1) * (time.perf_counter() - started))
+        return result
+
     async def _compute(self, fn, *args):
-        return await self._loop.run_in_executor(self._pool, fn, *args)
+        return await self._loop.run_in_executor(self._pool, self._timed, fn, *args)
 
     async def _handle(self, frame: Frame, peer: str) -> Frame:
         run_id = self.manifest.run_id

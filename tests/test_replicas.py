@@ -58,7 +58,9 @@ def test_replicated_stage_matches_single_process_and_replicas_stay_equal(local_s
         microbatches_per_step=BATCH.microbatches_per_step,
     )
     # Both replicas took microbatches, and the averaged step equals one process's step.
-    torch.testing.assert_close(torch.tensor([r.loss for r in results]), torch.tensor(reference.losses), rtol=1e-4, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([r.loss for r in results]), torch.tensor(reference.losses), rtol=1e-4, atol=0
+    )
     merged = stage0 | next(iter(stage1.values()))
     for key, value in reference.state.items():
         torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-4)
@@ -96,3 +98,43 @@ def test_join_mid_run_downloads_state_and_leaves_do_not_stop_training(local_swar
     results = first + more + after_leave + after_kill
     assert [r.step for r in results] == list(range(11))
     assert sum(r.loss for r in results[-3:]) / 3 < results[0].loss - 0.5
+
+
+def test_unequal_stages_with_slow_replicas_match_single_process(local_swarm):
+    """Heterogeneity on one machine: an unequal split (1 block, then 3), a 2x slower peer and
+    a 4x slower replica train to the same losses and parameters as one process."""
+    swarm = local_swarm(
+        model_config=TINY_GPT,
+        stage_bounds=(0, 1, 4),
+        stage_args={1: ("--slowdown", "2")},
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batch=BATCH,
+    )
+    swarm.spawn_stage(0, extra_args=("--slowdown", "4"))
+    steps = 3
+    with swarm.trainer() as trainer:
+        results = list(trainer.train(batches(), steps=steps))
+        stage0 = states_of(swarm, trainer, 0)
+        stage1 = trainer.fetch_state(1, swarm.wait_ready(replica_names(swarm, 1)[0]))
+    assert_replicas_equal(stage0)
+    assert {k.split(".")[0] + "." + k.split(".")[1] for k in stage1 if k.startswith("block")} == {
+        "block.1",
+        "block.2",
+        "block.3",
+    }
+    reference = train_reference(
+        model="tiny-gpt",
+        model_config=TINY_GPT,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batches=batches(),
+        steps=steps,
+        microbatches_per_step=BATCH.microbatches_per_step,
+    )
+    torch.testing.assert_close(
+        torch.tensor([r.loss for r in results]), torch.tensor(reference.losses), rtol=1e-4, atol=0
+    )
+    merged = next(iter(stage0.values())) | stage1
+    for key, value in reference.state.items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-4)

@@ -235,6 +235,8 @@ class PeerRecord:
     """Microbatches served so far (forward+backward)."""
     step: int = 0
     """Optimizer step the peer's parameters are at (stage peers)."""
+    capacity: dict = field(default_factory=dict)
+    """What the peer's probe measured: flops_per_s, memory_bytes, is_spot, device_name (may be empty)."""
     since: float = 0.0
     """DHT time the peer started serving its stage; the earliest serving peer is the stage's primary."""
 
