@@ -1,6 +1,6 @@
 """Predicted throughput of the planner's plans against an even split, and the planner's speed.
 
-    python benchmarks/planner.py [--seed N] [--timing-peers 1000] [--repeats 3]
+    python benchmarks/planner.py [--seed N] [--timing-peers 1000] [--repeats 3] [--tokens-per-step N]
 
 Swarms mix public capacity profiles (achieved, not peak, matmul throughput):
 
@@ -13,7 +13,10 @@ Swarms mix public capacity profiles (achieved, not peak, matmul throughput):
 Every peer's throughput is jittered by +-10% (seeded), as measured numbers are. The models
 are GPT-like, costed by `transformer_block_cost` (12 d^2 parameters per block; forward +
 backward 72 d^2 + 6 T d FLOPs/token; 16 bytes/parameter of weights, gradients and Adam
-state; 34 d bytes/token of activations; 8-bit activations on the wire). The baseline is the
+state; 34 d bytes/token of activations; 8-bit activations on the wire). Replicas of a stage
+average their gradients once per optimizer step of `--tokens-per-step` tokens (default 256
+sequences, ~0.5M tokens; 0 ignores averaging, the planner's model before it was added), at a
+fixed 0.75 s plus 2 G (R - 1) / R over the slowest replica's link. The baseline is the
 best even split over every stage count (equal block counts, round-robin peers). Also timed:
 the planner on a 1,000-peer swarm (aim: under a second), and the heuristic alone (exhaustive
 search off) against the exact optimum on small random instances. One JSON document goes to
@@ -59,6 +62,7 @@ MODELS = {
 }
 SEQ_LEN = 2048
 TOKENS_IN_FLIGHT = 4 * SEQ_LEN  # 4 in-flight microbatches of one sequence each
+TOKENS_PER_STEP = 256 * SEQ_LEN  # 524,288 tokens per optimizer step across the swarm
 
 SWARMS = {
     "datacenter: 8 A100 + 16 T4": {"a100": 8, "t4": 16},
@@ -122,8 +126,12 @@ def compare(costs, peers, config) -> dict:
     }
 
 
-def heuristic_quality(rng: random.Random, instances: int) -> dict:
-    """Gap of the heuristic alone (exhaustive search off) to the exact optimum on small swarms."""
+def heuristic_quality(rng: random.Random, instances: int, averaging: bool) -> dict:
+    """Gap of the heuristic alone (exhaustive search off) to the exact optimum on small swarms.
+
+    With `averaging`, each instance also draws tokens_per_step (10, 100 or 1000 tokens, so
+    averaging is from negligible to dominant) and averaging_overhead_s (0, 0.75 or 5 s).
+    """
     from swarmtrain.plan import BlockCost
 
     gaps = []
@@ -148,6 +156,12 @@ def heuristic_quality(rng: random.Random, instances: int) -> dict:
             for i in range(rng.randint(2, 4))
         ]
         exact_config = PlanConfig(tokens_in_flight=rng.randint(1, 10), exhaustive_limit=10**9)
+        if averaging:
+            exact_config = dataclasses.replace(
+                exact_config,
+                tokens_per_step=rng.choice([10, 100, 1000]),
+                averaging_overhead_s=rng.choice([0.0, 0.75, 5.0]),
+            )
         exact = plan_swarm(costs, peers, exact_config).throughput_tokens_per_s
         heuristic = plan_swarm(costs, peers, dataclasses.replace(exact_config, exhaustive_limit=0))
         if exact > 0:
@@ -167,9 +181,12 @@ def main() -> None:
     parser.add_argument("--timing-peers", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quality-instances", type=int, default=200)
+    parser.add_argument(
+        "--tokens-per-step", type=int, default=TOKENS_PER_STEP, help="0: ignore gradient averaging"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    config = PlanConfig(tokens_in_flight=TOKENS_IN_FLIGHT)
+    config = PlanConfig(tokens_in_flight=TOKENS_IN_FLIGHT, tokens_per_step=args.tokens_per_step or None)
 
     results = []
     for model_name, shape in MODELS.items():
@@ -195,6 +212,8 @@ def main() -> None:
                 "benchmark": "planner",
                 "python": platform.python_version(),
                 "tokens_in_flight": TOKENS_IN_FLIGHT,
+                "tokens_per_step": config.tokens_per_step,
+                "averaging_overhead_s": config.averaging_overhead_s if config.tokens_per_step else None,
                 "seq_len": SEQ_LEN,
                 "swarms": results,
                 "ratio_geomean": round(statistics.geometric_mean(ratios), 3) if ratios else None,
@@ -206,7 +225,10 @@ def main() -> None:
                     "aim_s": 1.0,
                 },
                 "heuristic_vs_exact_small": heuristic_quality(
-                    random.Random(args.seed + 1), args.quality_instances
+                    random.Random(args.seed + 1), args.quality_instances, averaging=False
+                ),
+                "heuristic_vs_exact_small_averaging": heuristic_quality(
+                    random.Random(args.seed + 2), args.quality_instances, averaging=True
                 ),
             },
             indent=2,

@@ -327,6 +327,14 @@ def join(
     slowdown: Annotated[
         float, typer.Option(min=1.0, help="Make compute take this many times longer (emulates a slower GPU).")
     ] = 1.0,
+    rebalance_every: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Seconds between checks whether moving to another stage would raise swarm throughput "
+            "(by >10%, 3 checks in a row); 0 never moves.",
+        ),
+    ] = 10.0,
     verbose: Verbose = False,
 ) -> None:
     """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
@@ -347,6 +355,7 @@ def join(
             num_threads=threads,
             transport=TransportConfig(max_frame_bytes=int(max_frame_mb * 2**20), max_strikes=max_strikes),
             slowdown=slowdown,
+            rebalance_s=rebalance_every,
             max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
             is_spot=spot,
         )

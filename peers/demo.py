@@ -23,8 +23,8 @@ from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig, cli_command
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
 
 DEMO_MODEL = {"n_layer": 6, "n_head": 4, "d_model": 128, "seq_len": 64, "vocab_size": 256}
-HETEROGENEOUS_SLOWDOWNS = (1.0, 1.0, 4.0, 4.0)
-"""The --heterogeneous swarm: two peers at this machine's speed, two 4x slower."""
+HETEROGENEOUS_SLOWDOWNS = (1.0, 1.0, 2.0, 4.0)
+"""The --heterogeneous swarm: two peers at this machine's speed, one 2x and one 4x slower."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +104,12 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
                 f"stage {row['stage']}: blocks {row['blocks'][0]}-{row['blocks'][1]} on peers with slowdown "
                 f"{', '.join(f'{s:g}x' for s in row['peer_slowdowns'])} (predicted {row['predicted_tokens_per_s']} tokens/s)"
             )
+        unused = [HETEROGENEOUS_SLOWDOWNS[int(p.removeprefix("peer"))] for p in sorted(plan.trainers)]
+        if unused:
+            console.print(
+                f"not started as stage peers (the planner predicts they would slow the pipeline): slowdown "
+                f"{', '.join(f'{s:g}x' for s in unused)}"
+            )
     swarm_config = LocalSwarmConfig(
         run_id="demo",
         model="tiny-gpt",
@@ -115,7 +121,7 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         batch=batch,
         coordinator_port=config.port,
     )
-    num_peers = len(HETEROGENEOUS_SLOWDOWNS) if config.heterogeneous else config.num_stages
+    num_peers = sum(len(row["peer_slowdowns"]) for row in layout) if layout else config.num_stages
     started = time.monotonic()
     with console.status(f"starting a coordinator and {num_peers} stage peers on 127.0.0.1 ..."):
         swarm = LocalSwarm(swarm_config)
@@ -191,6 +197,7 @@ def _train(swarm: LocalSwarm, config: DemoConfig, console: Console, model_config
         "tokens_per_s": tokens / wall,
         "seconds": wall,
         "replays": sum(r["replays"] for r in records),
+        "losses": [r["loss"] for r in records],
     }
     if not quiet:
         console.print(

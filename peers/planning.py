@@ -48,3 +48,70 @@ def plan_for_peers(
     )
     costs = planner_costs(model, model_config, microbatch_size=microbatch_size)
     return plan_swarm(costs, peers, config)
+
+
+def capacity_of(record) -> PeerCapacity:
+    """A peer's announced capacity (its start-up probe) as the planner's PeerCapacity."""
+    cap = record.capacity or {}
+    return PeerCapacity(
+        peer_id=record.peer_id,
+        flops_per_s=float(cap.get("flops_per_s", 1e9)),
+        memory_bytes=float(cap.get("memory_bytes", 2**34)),
+        bandwidth_bytes_per_s=float(cap.get("bandwidth_bytes_per_s", LOOPBACK_BYTES_PER_S)),
+        is_spot=bool(cap.get("is_spot", False)),
+    )
+
+
+class StageRebalancer:
+    """Decide, check by check, whether this stage peer should move to another stage.
+
+    Every replica of a stage computes the same thing from the same DHT snapshot: the one
+    whose move would raise predicted swarm throughput most (ties: lowest peer id) is the
+    only candidate, so replicas never leave a stage in a herd; the pure `Rebalancer` then
+    requires the gain to clear `min_gain` for `patience` consecutive checks, and never
+    takes a stage's last replica.
+    """
+
+    def __init__(self, manifest, *, min_gain: float = 0.1, patience: int = 3):
+        from swarmtrain.plan import RebalanceConfig, Rebalancer
+
+        meta = build_model(manifest.model, manifest.model_config, device="meta")
+        tokens_per_sample = meta.input_shape[0] if meta.input_shape else 1
+        batch = manifest.batch
+        self.manifest = manifest
+        self.config = PlanConfig(
+            tokens_in_flight=tokens_per_sample * batch.microbatch_size * batch.max_in_flight,
+            tokens_per_step=tokens_per_sample * batch.microbatch_size * batch.microbatches_per_step,
+        )
+        self.costs = planner_costs(
+            manifest.model,
+            manifest.model_config,
+            microbatch_size=batch.microbatch_size,
+            optimizer=manifest.optimizer.name,
+        )
+        self.rebalancer = Rebalancer(RebalanceConfig(min_gain=min_gain, patience=patience))
+
+    def check(self, me: str, records) -> int | None:
+        """The stage to move to now, or None (stay). `records` are the run's peer records."""
+        from swarmtrain.plan import best_move
+
+        serving = [r for r in records if r.role == "stage" and r.state == "serving"]
+        if me not in {r.peer_id for r in serving}:
+            return None
+        num_stages = self.manifest.num_stages
+        plan = Plan(
+            stage_bounds=self.manifest.stage_bounds,
+            assignments={r.peer_id: r.stage for r in serving},
+            trainers=(),
+            throughput_tokens_per_s=0.0,
+            stage_tokens_per_s=(0.0,) * num_stages,
+        )
+        if not plan.is_complete:
+            return None
+        peers = [capacity_of(r) for r in serving]
+        here = plan.assignments[me]
+        candidates = [best_move(plan, self.costs, peers, self.config, p) for p in sorted(plan.replicas(here))]
+        candidates = [c for c in candidates if c is not None]
+        best = min(candidates, key=lambda c: (-c.moved_tokens_per_s, c.peer_id), default=None)
+        move = self.rebalancer.observe(me, best if best is not None and best.peer_id == me else None)
+        return None if move is None else move.to_stage

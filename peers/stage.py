@@ -62,6 +62,10 @@ class StageConfig:
     """Memory this peer may use; a stage that needs more is refused."""
     is_spot: bool = False
     """The machine may be preempted at any time (announced; planners prefer others for scarce stages)."""
+    rebalance_s: float = 10.0
+    """Seconds between checks whether moving to another stage would raise swarm throughput; 0: never move."""
+    rebalance_patience: int = 3
+    """Consecutive checks a move must stay worthwhile (by more than 10%) before the peer moves."""
     probe_s: float = 0.3
     """Seconds of matmul timing in the start-up capacity probe."""
     drain_timeout_s: float = 10.0
@@ -145,6 +149,8 @@ class StagePeer:
         self.averager: ReplicaAverager | None = None
         self._beat_soon: asyncio.Task | None = None
         self.capacity: dict = {}
+        self._rebalancer = None
+        self.moves = 0
         self.on_serving = lambda: None
         """Called once the peer is announced and takes requests (serving or standing by)."""
 
@@ -190,19 +196,14 @@ class StagePeer:
         else:
             self.stage = cfg.stage
         start, end = manifest.stage_span(self.stage)
-        module = build_stage(
-            manifest.model,
-            manifest.model_config,
-            start,
-            end,
-            num_blocks=manifest.num_blocks,
-            seed=manifest.seed,
-            device=cfg.device,
-        )
-        self.runner = StageRunner(module, manifest.optimizer, microbatch_size=manifest.batch.microbatch_size)
-        self.averager = ReplicaAverager(node.dht, manifest.run_id, self.stage, self.runner.grads())
+        self._take_stage(self.stage)
+        if cfg.rebalance_s > 0:
+            from swarmtrain.peers.planning import StageRebalancer
+
+            self._rebalancer = StageRebalancer(manifest, patience=cfg.rebalance_patience)
         self.transport = TensorTransport(await node.p2p(), cfg.transport)
         await self._sync_from_replica()
+        await self._measure_links()
         await self.transport.serve(handler_name(manifest.run_id), self._handle)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: stop() is the way out
@@ -226,6 +227,40 @@ class StagePeer:
             if task is not None:
                 task.cancel()
         await asyncio.gather(beats, *([self._beat_soon] if self._beat_soon else []), return_exceptions=True)
+
+    def _take_stage(self, stage: int) -> None:
+        """Build `stage`'s blocks (from the run seed), its optimizer and its averager."""
+        manifest = self.manifest
+        start, end = manifest.stage_span(stage)
+        module = build_stage(
+            manifest.model,
+            manifest.model_config,
+            start,
+            end,
+            num_blocks=manifest.num_blocks,
+            seed=manifest.seed,
+            device=self.config.device,
+        )
+        if self.averager is not None:
+            self.averager.shutdown()
+        self.stage = stage
+        self.runner = StageRunner(module, manifest.optimizer, microbatch_size=manifest.batch.microbatch_size)
+        self.averager = ReplicaAverager(self.node.dht, manifest.run_id, stage, self.runner.grads())
+
+    async def _switch_stage(self, stage: int) -> None:
+        """Move to `stage`: drain, take its blocks and a live replica's state, serve again."""
+        old = self.stage
+        self.state = "draining"
+        await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._take_stage(stage)
+        await self._sync_from_replica()
+        self._since, self.state = get_dht_time(), "serving"
+        await self._heartbeat()
+        self.moves += 1
+        logger.warning("moved from stage %d to stage %d to raise swarm throughput", old, stage)
 
     async def _drain(self) -> None:
         """Stop taking new work, let in-flight microbatches finish, announce we are leaving."""
@@ -300,8 +335,19 @@ class StagePeer:
             await self._sync_from_replica()
 
     async def _heartbeats(self) -> None:
+        last_check = time.monotonic()
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
+            if self._rebalancer is not None and time.monotonic() - last_check >= self.config.rebalance_s:
+                last_check = time.monotonic()
+                try:
+                    target = self._rebalancer.check(
+                        self.node.peer_id, await self.node.peers_async(self.manifest.run_id)
+                    )
+                    if target is not None:
+                        await self._switch_stage(target)
+                except Exception as e:  # a failed check or move must not stop serving
+                    logger.warning("rebalancing failed: %r", e)
             try:
                 await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
                 await asyncio.wait_for(self._resync_if_behind(), timeout=10 * self.config.ttl_s)
@@ -309,6 +355,21 @@ class StagePeer:
                 logger.warning("heartbeat failed: %r", e)
 
     # serving
+
+    async def _measure_links(self, max_peers: int = 3) -> None:
+        """RTT and bandwidth to a few stage peers over the real transport; the median
+        bandwidth is what this peer announces (the planner's network term)."""
+        from swarmtrain.peers.probe import measure_links
+
+        records = await self.node.peers_async(self.manifest.run_id)
+        others = [r.peer_id for r in records if r.role == "stage" and r.peer_id != self.node.peer_id][:max_peers]
+        if not others:
+            return
+        links = await measure_links(self.transport, others, self.manifest.run_id, payload_bytes=2**18, timeout_s=5)
+        rates = sorted(v["bandwidth_bytes_per_s"] for v in links.values() if "bandwidth_bytes_per_s" in v)
+        if rates:
+            self.capacity["bandwidth_bytes_per_s"] = rates[len(rates) // 2]
+            self.capacity["rtt_s"] = min(v["rtt_s"] for v in links.values() if "rtt_s" in v)
 
     def _probe(self) -> dict:
         from swarmtrain.peers.probe import probe
@@ -329,8 +390,8 @@ class StagePeer:
             "slowdown": cap.slowdown,
         }
 
-    def _timed(self, fn, *args):
-        """Run `fn` on the compute thread; with --slowdown F, hold the thread F times as long."""
+    def _slowed(self, fn, *args):
+        """Run `fn`; with --slowdown F, hold the compute thread F times as long in all."""
         started = time.perf_counter()
         result = fn(*args)
         if self.config.slowdown > 1:
@@ -338,7 +399,12 @@ class StagePeer:
         return result
 
     async def _compute(self, fn, *args):
-        return await self._loop.run_in_executor(self._pool, self._timed, fn, *args)
+        """Run `fn` on the compute thread (bookkeeping and state copies: never slowed down)."""
+        return await self._loop.run_in_executor(self._pool, fn, *args)
+
+    async def _model_compute(self, fn, *args):
+        """Run forward/backward work on the compute thread, slowed down by --slowdown."""
+        return await self._loop.run_in_executor(self._pool, self._slowed, fn, *args)
 
     async def _handle(self, frame: Frame, peer: str) -> Frame:
         run_id = self.manifest.run_id
@@ -351,12 +417,16 @@ class StagePeer:
             return Frame(
                 kind="pong", run_id=run_id, stage=self.stage, step=self.runner.step, meta=self._status()
             )
+        if self.state == "draining" and frame.kind in ("forward", "step"):
+            return error_frame(run_id, "this peer is leaving its stage", retryable=True, stage=self.stage)
         if frame.stage != self.stage:
-            self.transport.strike(peer, f"frame for stage {frame.stage}")
+            valid = 0 <= frame.stage < self.manifest.num_stages  # routing may lag a move by a heartbeat
+            if not valid:
+                self.transport.strike(peer, f"frame for stage {frame.stage}")
             return error_frame(
                 run_id,
                 f"this peer serves stage {self.stage}, not {frame.stage}",
-                retryable=False,
+                retryable=valid,
                 stage=self.stage,
             )
         if frame.kind == "step":
@@ -445,7 +515,7 @@ class StagePeer:
         mb = frame.mb_id
         try:
             if self.stage == manifest.num_stages - 1:
-                loss, grad_x = await self._compute(runner.forward_loss_backward, mb, x, targets, loss_scale)
+                loss, grad_x = await self._model_compute(runner.forward_loss_backward, mb, x, targets, loss_scale)
             else:
                 loss, grad_x = await self._chain(frame, x, targets, budget_s - (time.monotonic() - started))
         except (BadFrameError, RemoteError, PeerUnreachableError):
@@ -469,7 +539,7 @@ class StagePeer:
         route = str(frame.meta.get("route", "")).split()
         if len(route) != self.manifest.num_stages:
             raise BadFrameError(f"meta route must name {self.manifest.num_stages} peers, got {len(route)}")
-        out = await self._compute(self.runner.forward, frame.mb_id, x)
+        out = await self._model_compute(self.runner.forward, frame.mb_id, x)
         if not bool(torch.isfinite(out).all()):
             self.runner.drop(frame.mb_id)
             raise RemoteError(f"stage {self.stage} produced NaN/inf activations", retryable=False)
@@ -490,7 +560,7 @@ class StagePeer:
             grad, loss = reply.tensors.get("grad"), reply.meta.get("loss")
             if grad is None or not isinstance(loss, float):
                 raise BadFrameError("the reply lacks a gradient or a loss")
-            grad_x = await self._compute(self.runner.backward, frame.mb_id, grad)
+            grad_x = await self._model_compute(self.runner.backward, frame.mb_id, grad)
             return loss, grad_x
         except BadFrameError as e:  # the downstream peer's fault, not our caller's
             self.transport.strike(downstream, str(e))

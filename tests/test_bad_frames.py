@@ -76,7 +76,7 @@ BAD_FRAMES = {  # case: (stage peer it is sent to, frame, what the error must sa
     "token out of range": (0, forward(0, torch.full((B, T), 999), good_targets(), route="a b"), r"forward/backward failed"),
     "missing targets": (1, Frame(kind="forward", run_id="frames", stage=1, step=0, tensors={"x": torch.randn(B, T, C)}), r"needs tensors 'x' and 'targets'"),
     "another run's id": (1, forward(1, torch.randn(B, T, C), good_targets(), run_id="other"), r"serves run 'frames', not 'other'"),
-    "wrong stage": (1, forward(0, torch.randn(B, T, C), good_targets()), r"serves stage 1, not 0"),
+    "stage out of range": (1, forward(5, torch.randn(B, T, C), good_targets()), r"serves stage 1, not 5"),
     "bad loss scale": (1, forward(1, torch.randn(B, T, C), good_targets(), loss_scale=7.0), r"loss_scale"),
 }  # fmt: skip
 

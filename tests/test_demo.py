@@ -46,3 +46,29 @@ def test_custom_model_example_trains():
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(losses) == 25
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0]
+
+
+def test_heterogeneous_demo_plans_unequal_stages_and_matches_the_homogeneous_losses():
+    common = [
+        "--steps",
+        "6",
+        "--model-config",
+        "n_layer=6,d_model=64,seq_len=32",
+        "--microbatch-size",
+        "8",
+        "--json",
+    ]
+    runs = {}
+    for name, extra in (("homogeneous", []), ("heterogeneous", ["--heterogeneous"])):
+        proc = run([sys.executable, "-m", "swarmtrain.cli", "demo", *extra, *common], timeout=200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads(proc.stdout)
+    layout = runs["heterogeneous"]["layout"]
+    spans = [row["blocks"][1] - row["blocks"][0] + 1 for row in layout]
+    assert sum(spans) == 6 and len(set(spans)) > 1, layout  # planned, unequal stages
+    assert any(s > 1 for row in layout for s in row["peer_slowdowns"])  # a slow peer serves
+    # Same seed and data order: the split and the peers' speeds do not change the maths.
+    homogeneous, heterogeneous = runs["homogeneous"]["losses"], runs["heterogeneous"]["losses"]
+    assert len(homogeneous) == len(heterogeneous) == 6
+    for a, b in zip(homogeneous, heterogeneous):
+        assert b == pytest.approx(a, rel=1e-3)

@@ -13,9 +13,22 @@ The factor 2 in B: a replica receives its input activation and sends its output 
 forward, then receives the output gradient and sends the input gradient backward, and the
 gradients are as large as the activations. `bandwidth_bytes_per_s` is the peer's total
 (both directions) rate. The first stage's input (token ids) and the last stage's output (a
-loss) are negligible. A pipeline runs at the rate of its slowest stage; a stage runs at the
-sum of its replicas' rates. Not modelled: latency (hidden by keeping `tokens_in_flight`
-tokens in the pipeline) and parameter averaging between replicas (amortised over many steps).
+loss) are negligible. A pipeline runs at the rate of its slowest stage.
+
+A stage with R replicas of summed rate r_sum averages its gradients at every optimizer step
+(an all-reduce among the replicas), so with `tokens_per_step` tokens per step:
+
+    gradient bytes G(i, j) = sum of param_bytes / 2   (param_bytes counts weights + gradients,
+                                                       assumed the same size)
+    averaging      A = 0 if R == 1, else averaging_overhead_s + 2 G (R - 1) / R / bw_min
+    step time      T = tokens_per_step / r_sum + A
+    stage rate       = tokens_per_step / T = r_sum / (1 + r_sum A / tokens_per_step)
+
+where bw_min is the smallest `bandwidth_bytes_per_s` among the replicas (a ring all-reduce
+runs at its slowest link's pace). With `tokens_per_step` None the averaging is ignored and
+a stage runs at r_sum. Not modelled: latency (hidden by keeping `tokens_in_flight` tokens in
+the pipeline), averaging overlapping with compute, and averaging traffic competing with
+activation traffic for a peer's bandwidth.
 """
 
 from __future__ import annotations
@@ -102,6 +115,14 @@ class PlanConfig:
     """First-pass candidates (over all stage counts and starting cuts) refined to convergence."""
     exhaustive_limit: int = 20_000
     """Largest (cuts x assignments) per stage count searched exhaustively (exact); 0: never."""
+    tokens_per_step: int | None = None
+    """Tokens of one optimizer step across the swarm (microbatch tokens x microbatches per
+    step), over which a stage's replicas average their gradients once. None: ignore the
+    averaging, so a stage runs at the sum of its replicas' rates."""
+    averaging_overhead_s: float = 0.75
+    """Fixed seconds per step of averaging among two or more replicas (matchmaking, latency;
+    ~0.5-1.0 s measured with hivemind's DecentralizedAverager on loopback). Used only with
+    `tokens_per_step`."""
 
     def __post_init__(self):
         if isinstance(self.tokens_in_flight, bool) or not isinstance(self.tokens_in_flight, int):
@@ -121,6 +142,15 @@ class PlanConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"PlanConfig: {name} must be an integer >= {least}, got {value!r}")
+        if self.tokens_per_step is not None and (
+            isinstance(self.tokens_per_step, bool)
+            or not isinstance(self.tokens_per_step, int)
+            or self.tokens_per_step < 1
+        ):
+            raise ConfigError(
+                f"PlanConfig: tokens_per_step must be None or an integer >= 1, got {self.tokens_per_step!r}"
+            )
+        _check_number("PlanConfig", "averaging_overhead_s", self.averaging_overhead_s)
 
 
 def usable_memory(peer: PeerCapacity, config: PlanConfig) -> float:
@@ -139,10 +169,14 @@ class CostModel:
             raise ConfigError("the planner needs the cost of at least one block, got none")
         self.num_blocks = len(costs)
         self.tokens_in_flight = config.tokens_in_flight
+        self.tokens_per_step = config.tokens_per_step
+        self.averaging_overhead_s = float(config.averaging_overhead_s)
         self.flops = [0.0]
         self.memory = [0.0]
+        self.grad = [0.0]
         for c in costs:
             self.flops.append(self.flops[-1] + c.flops_per_token)
+            self.grad.append(self.grad[-1] + c.param_bytes / 2.0)
             state = c.param_bytes + c.optimizer_bytes
             self.memory.append(
                 self.memory[-1] + state + c.activation_bytes_per_token * config.tokens_in_flight
@@ -163,11 +197,42 @@ class CostModel:
         outbound = self.boundary[stop - 1] if stop < self.num_blocks else 0.0
         return 2.0 * (inbound + outbound)
 
+    def stage_grad_bytes(self, start: int, stop: int) -> float:
+        """Gradient bytes a replica of blocks [start, stop) averages: half their param_bytes."""
+        return self.grad[stop] - self.grad[start]
+
     def replica_rate(self, peer: PeerCapacity, start: int, stop: int) -> float:
         """Tokens/s one replica on `peer` sustains: min(compute rate, network rate)."""
         compute = peer.flops_per_s / self.stage_flops(start, stop)
         traffic = self.stage_traffic(start, stop)
         return compute if traffic == 0 else min(compute, peer.bandwidth_bytes_per_s / traffic)
+
+    @property
+    def averages(self) -> bool:
+        """Whether the model charges replicas for averaging (a `tokens_per_step` is set)."""
+        return self.tokens_per_step is not None
+
+    def averaging_s(self, start: int, stop: int, replicas: int, min_bandwidth: float) -> float:
+        """Seconds per optimizer step that `replicas` replicas of [start, stop) spend averaging
+        gradients: 0 for one replica (or without `tokens_per_step`), else the fixed overhead
+        plus 2 G (R - 1) / R over the slowest replica's bandwidth."""
+        if self.tokens_per_step is None or replicas < 2:
+            return 0.0
+        grad = self.stage_grad_bytes(start, stop)
+        return self.averaging_overhead_s + 2.0 * grad * (replicas - 1) / replicas / min_bandwidth
+
+    def stage_rate(
+        self, rate_sum: float, replicas: int, min_bandwidth: float, start: int, stop: int
+    ) -> float:
+        """Tokens/s of a stage over [start, stop) whose `replicas` replicas sum to `rate_sum`
+        tokens/s and whose slowest link is `min_bandwidth`: r_sum / (1 + r_sum A / tokens_per_step),
+        i.e. tokens_per_step over (compute time + averaging time A) of one step."""
+        if replicas == 0:
+            return 0.0
+        averaging = self.averaging_s(start, stop, replicas, min_bandwidth)
+        if averaging == 0:
+            return rate_sum
+        return rate_sum / (1.0 + rate_sum * averaging / self.tokens_per_step)
 
 
 def transformer_block_cost(

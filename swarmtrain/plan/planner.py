@@ -17,7 +17,7 @@ import numpy as np
 
 from swarmtrain.errors import ConfigError
 from swarmtrain.plan.costs import BlockCost, CostModel, PeerCapacity, PlanConfig, usable_memory
-from swarmtrain.plan.search import TRAINER, Problem, stage_totals
+from swarmtrain.plan.search import TRAINER, Problem
 from swarmtrain.plan.starts import (
     all_bounds,
     anchor_bounds,
@@ -29,6 +29,9 @@ from swarmtrain.plan.starts import (
 
 QUICK_ROUNDS = 2
 """(assign, cut) rounds in the first pass at every stage count."""
+AVERAGING_QUICK_ROUNDS = 1
+"""The same, with averaging in swarms over LOCAL_SEARCH_PEERS peers: there the bound seldom
+prunes a stage count, so the first pass only assigns peers to each starting cut."""
 LOCAL_SEARCH_PEERS = 64
 """Swarms up to this many peers get local search in the first pass at every stage count."""
 CUT_ENUMERATION_LIMIT = 2_000
@@ -48,7 +51,8 @@ class Plan:
     throughput_tokens_per_s: float
     """Predicted pipeline rate: the slowest stage's rate (0 while a stage has no replica)."""
     stage_tokens_per_s: tuple[float, ...]
-    """Predicted rate of each stage: the sum of its replicas' token rates."""
+    """Predicted rate of each stage: its replicas' summed token rate, less the gradient
+    averaging between them when the config sets `tokens_per_step` (`CostModel.stage_rate`)."""
 
     @property
     def num_stages(self) -> int:
@@ -71,7 +75,7 @@ class PlanEvaluation:
     throughput_tokens_per_s: float
     """The slowest stage's rate; 0 if a stage has no replica."""
     stage_tokens_per_s: tuple[float, ...]
-    """Each stage's rate: the sum of its replicas' rates."""
+    """Each stage's rate: `CostModel.stage_rate` of its replicas (their summed rate, less averaging)."""
     replica_tokens_per_s: dict[str, float]
     """Each stage peer's replica rate: min(compute rate, network rate)."""
     over_memory: tuple[str, ...]
@@ -111,7 +115,9 @@ def evaluate(
     model = CostModel(costs, config)
     _check_bounds(plan.stage_bounds, model.num_blocks)
     by_id = {p.peer_id: p for p in _sorted_peers(peers)}
-    totals = [0.0] * plan.num_stages
+    sums = [0.0] * plan.num_stages
+    counts = [0] * plan.num_stages
+    low = [math.inf] * plan.num_stages
     replica_rates: dict[str, float] = {}
     over_memory = []
     for peer_id in sorted(plan.assignments):
@@ -124,9 +130,15 @@ def evaluate(
             )
         start, stop = plan.stage_bounds[s], plan.stage_bounds[s + 1]
         replica_rates[peer_id] = model.replica_rate(by_id[peer_id], start, stop)
-        totals[s] += replica_rates[peer_id]
+        sums[s] += replica_rates[peer_id]
+        counts[s] += 1
+        low[s] = min(low[s], by_id[peer_id].bandwidth_bytes_per_s)
         if model.stage_memory(start, stop) > usable_memory(by_id[peer_id], config):
             over_memory.append(peer_id)
+    bounds = plan.stage_bounds
+    totals = [
+        model.stage_rate(sums[s], counts[s], low[s], bounds[s], bounds[s + 1]) for s in range(plan.num_stages)
+    ]
     return PlanEvaluation(
         throughput_tokens_per_s=min(totals),
         stage_tokens_per_s=tuple(totals),
@@ -151,8 +163,9 @@ class _Candidate:
 
 def _candidate(problem: Problem, bounds: tuple[int, ...], stage_of: list[int]) -> _Candidate:
     """Rates are summed in peer-id order, exactly as `evaluate` sums them."""
-    rate, _ = problem.stage_arrays(bounds)
-    return _Candidate(bounds, stage_of, stage_totals(np.asarray(stage_of, dtype=np.int64), rate).tolist())
+    return _Candidate(
+        bounds, stage_of, problem.stage_totals(bounds, np.asarray(stage_of, dtype=np.int64)).tolist()
+    )
 
 
 def _better(candidate: _Candidate, best: _Candidate | None) -> bool:
@@ -263,12 +276,13 @@ def _search_count(problem: Problem, count: int, config: PlanConfig) -> tuple[lis
     if num_cuts * (count + 1) ** num_peers <= config.exhaustive_limit:
         return [_candidate(problem, b, problem.assign_exact(b)) for b in all_bounds(n, count)], True
     local_search = num_peers <= LOCAL_SEARCH_PEERS
+    rounds = QUICK_ROUNDS if local_search or not problem.averages else AVERAGING_QUICK_ROUNDS
     starts = _starts(problem, count, num_cuts * num_peers <= CUT_ENUMERATION_LIMIT)
-    found = [_refine(problem, _Candidate(b, [], []), QUICK_ROUNDS, local_search) for b in starts]
+    found = [_refine(problem, _Candidate(b, [], []), rounds, local_search) for b in starts]
     if all(c.score[1] < 0 for c in found):  # a stage has no replica: find a cut the largest peers cover
         bounds = cover_bounds(problem, count)
         if bounds is not None:
-            found.append(_refine(problem, _Candidate(bounds, [], []), QUICK_ROUNDS, local_search))
+            found.append(_refine(problem, _Candidate(bounds, [], []), rounds, local_search))
     return found, False
 
 
@@ -307,6 +321,23 @@ def plan_swarm(costs: Sequence[BlockCost], peers: Iterable[PeerCapacity], config
     return _to_plan(problem, best)
 
 
+def stage_members(
+    plan: Plan, model: CostModel, peers: Iterable[PeerCapacity]
+) -> tuple[list[float], list[int], list[float]]:
+    """Per stage of `plan`: its replicas' summed rate (in peer-id order, as `evaluate` sums),
+    their count, and the slowest replica's bandwidth (inf for none): `CostModel.stage_rate`'s inputs."""
+    by_id = {p.peer_id: p for p in peers}
+    sums = [0.0] * plan.num_stages
+    counts = [0] * plan.num_stages
+    low = [math.inf] * plan.num_stages
+    for peer_id in sorted(plan.assignments):
+        s, p = plan.assignments[peer_id], by_id[peer_id]
+        sums[s] += model.replica_rate(p, plan.stage_bounds[s], plan.stage_bounds[s + 1])
+        counts[s] += 1
+        low[s] = min(low[s], p.bandwidth_bytes_per_s)
+    return sums, counts, low
+
+
 def join_stage(
     plan: Plan,
     costs: Sequence[BlockCost],
@@ -318,23 +349,33 @@ def join_stage(
 
     The stage where its replica raises the pipeline throughput most; on a tie (it cannot
     raise it, or the slowest stages are tied) the stage with the lowest rate, then the lowest
-    index, so joining peers fill the bottleneck Petals-style. `peers` are the plan's peers.
+    index, so joining peers fill the bottleneck Petals-style. With averaging (`tokens_per_step`)
+    a replica can slow its stage; such stages are skipped, and a peer that would slow every
+    stage it fits gets None too. `peers` are the plan's peers.
     """
     if new_peer.peer_id in plan.assignments:
         raise ConfigError(
             f"peer {new_peer.peer_id!r} already replicates stage {plan.assignments[new_peer.peer_id]}"
         )
     model = CostModel(costs, config)
+    peers = list(peers)
     totals = evaluate(plan, costs, peers, config).stage_tokens_per_s
+    sums, counts, low = stage_members(plan, model, peers)
     choice, choice_key = None, None
     for s in range(plan.num_stages):
         start, stop = plan.stage_bounds[s], plan.stage_bounds[s + 1]
         if model.stage_memory(start, stop) > usable_memory(new_peer, config):
             continue
-        after = min(
-            totals[k] + (model.replica_rate(new_peer, start, stop) if k == s else 0.0)
-            for k in range(plan.num_stages)
+        joined = model.stage_rate(
+            sums[s] + model.replica_rate(new_peer, start, stop),
+            counts[s] + 1,
+            min(low[s], new_peer.bandwidth_bytes_per_s),
+            start,
+            stop,
         )
+        if joined < totals[s]:
+            continue  # averaging with one more replica costs more than its tokens gain
+        after = min(joined if k == s else totals[k] for k in range(plan.num_stages))
         key = (after, -totals[s], -s)
         if choice_key is None or key > choice_key:
             choice, choice_key = s, key

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from swarmtrain.errors import ConfigError
 from swarmtrain.plan.costs import BlockCost, CostModel, PeerCapacity, PlanConfig, usable_memory
-from swarmtrain.plan.planner import Plan, evaluate
+from swarmtrain.plan.planner import Plan, evaluate, stage_members
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +70,7 @@ def best_move(
 
     None when no stage it fits would do better than staying; in particular for a stage's
     last replica, whose leaving would stall the pipeline. Ties go to the lower stage index.
+    Both stages' rates follow `CostModel.stage_rate`, averaging included when configured.
     """
     peers = list(peers)
     if peer_id not in plan.assignments:
@@ -77,18 +78,36 @@ def best_move(
     evaluation = evaluate(plan, costs, peers, config)  # raises if the plan's peers are not all given
     model = CostModel(costs, config)
     peer = next(p for p in peers if p.peer_id == peer_id)
+    bounds = plan.stage_bounds
     totals = list(evaluation.stage_tokens_per_s)
+    sums, counts, low = stage_members(plan, model, peers)
     here = plan.assignments[peer_id]
-    totals[here] -= evaluation.replica_tokens_per_s[peer_id]
+    others = [  # the bandwidths of `here`'s other replicas, for its slowest link once peer_id leaves
+        p.bandwidth_bytes_per_s
+        for p in peers
+        if p.peer_id != peer_id and plan.assignments.get(p.peer_id) == here
+    ]
+    totals[here] = model.stage_rate(
+        sums[here] - evaluation.replica_tokens_per_s[peer_id],
+        counts[here] - 1,
+        min(others, default=float("inf")),
+        bounds[here],
+        bounds[here + 1],
+    )
     current = evaluation.throughput_tokens_per_s
     best_stage, best_rate = None, current
     for s in range(plan.num_stages):
-        start, stop = plan.stage_bounds[s], plan.stage_bounds[s + 1]
+        start, stop = bounds[s], bounds[s + 1]
         if s == here or model.stage_memory(start, stop) > usable_memory(peer, config):
             continue
-        moved = min(
-            t + (model.replica_rate(peer, start, stop) if k == s else 0.0) for k, t in enumerate(totals)
+        joined = model.stage_rate(
+            sums[s] + model.replica_rate(peer, start, stop),
+            counts[s] + 1,
+            min(low[s], peer.bandwidth_bytes_per_s),
+            start,
+            stop,
         )
+        moved = min(joined if k == s else t for k, t in enumerate(totals))
         if moved > best_rate:
             best_stage, best_rate = s, moved
     if best_stage is None:

@@ -1,0 +1,44 @@
+"""Rebalancing with hysteresis on a real swarm: peers start piled on one stage while the
+other stage's only peer is very slow; exactly one peer moves, and the layout then holds."""
+
+import time
+
+import pytest
+
+from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
+from tests.conftest import TINY_GPT
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+CHECK_S = 1.0
+
+
+def layout(node: SwarmNode, run_id: str) -> dict[int, list[str]]:
+    return {k: sorted(r.peer_id for r in rs) for k, rs in stage_replicas(node.peers(run_id)).items()}
+
+
+def test_an_unbalanced_swarm_spreads_out_once_and_does_not_flap(local_swarm):
+    fast = ("--rebalance-every", str(CHECK_S))
+    # Stage 1's only peer announces 1/10^6 of this machine's speed: the pipeline's bottleneck.
+    swarm = local_swarm(
+        model_config=TINY_GPT, num_stages=2, stage_args={0: fast, 1: (*fast, "--slowdown", "1e6")}
+    )
+    for _ in range(2):
+        swarm.spawn_stage(0, extra_args=fast)
+    node = SwarmNode(NodeConfig(initial_peers=(swarm.address,)))
+    try:
+        deadline = time.monotonic() + 90
+        while (current := layout(node, "demo")) and [len(current.get(k, [])) for k in (0, 1)] != [2, 2]:
+            assert [len(current.get(k, [])) for k in (0, 1)] in ([3, 1], [2, 1], [2, 2]), (
+                current
+            )  # never a herd
+            assert time.monotonic() < deadline, f"no peer moved within 90 s: {current}"
+            time.sleep(0.25)
+        settled = layout(node, "demo")
+        # Hysteresis: over several more checks (patience is 3) nobody moves back or on.
+        watch_until = time.monotonic() + 6 * CHECK_S
+        while time.monotonic() < watch_until:
+            assert layout(node, "demo") == settled
+            time.sleep(0.25)
+    finally:
+        node.shutdown()
