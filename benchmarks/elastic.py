@@ -16,9 +16,7 @@ import statistics
 import time
 
 from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig
-from swarmtrain.peers.planning import LOOPBACK_BYTES_PER_S, plan_for_peers
-from swarmtrain.peers.probe import probe
-from swarmtrain.plan import PeerCapacity
+from swarmtrain.peers.planning import plan_emulated_peers
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.wire.records import BatchConfig, even_split
 
@@ -39,7 +37,9 @@ def measure(stage_bounds: tuple[int, ...], peers: list[list[float]], steps: int)
         for k, slowdowns in enumerate(peers):
             for s in slowdowns[1:]:
                 swarm.spawn_stage(k, extra_args=("--slowdown", str(s), "--rebalance-every", "0"))
-        data = TokenBatches(stdlib_text(2**22), seq_len=MODEL["seq_len"], microbatch_size=BATCH.microbatch_size, seed=0)
+        data = TokenBatches(
+            stdlib_text(2**22), seq_len=MODEL["seq_len"], microbatch_size=BATCH.microbatch_size, seed=0
+        )
         with swarm.trainer() as trainer:
             results = list(trainer.train(data, steps=steps + WARMUP_STEPS))[WARMUP_STEPS:]
     rates = [r.tokens_per_s for r in results]
@@ -62,27 +62,7 @@ def main() -> None:
     slowdowns = [float(s) for s in args.slowdowns.split(",")]
     started = time.monotonic()
 
-    cap = probe("cpu", seconds=0.5)
-    capacities = [
-        PeerCapacity(
-            peer_id=f"peer{i}",
-            flops_per_s=cap.matmul_flops_per_s / s,
-            memory_bytes=cap.usable_memory_bytes / len(slowdowns),
-            bandwidth_bytes_per_s=LOOPBACK_BYTES_PER_S,
-        )
-        for i, s in enumerate(slowdowns)
-    ]
-    plan = plan_for_peers(
-        "tiny-gpt",
-        MODEL,
-        capacities,
-        microbatch_size=BATCH.microbatch_size,
-        max_in_flight=BATCH.max_in_flight,
-        microbatches_per_step=BATCH.microbatches_per_step,
-    )
-    planned: list[list[float]] = [[] for _ in range(plan.num_stages)]
-    for peer_id, stage in sorted(plan.assignments.items()):
-        planned[stage].append(slowdowns[int(peer_id.removeprefix("peer"))])
+    plan, planned = plan_emulated_peers("tiny-gpt", MODEL, slowdowns, BATCH)
 
     even = measure(even_split(MODEL["n_layer"], len(slowdowns)), [[s] for s in slowdowns], args.steps)
     best = measure(plan.stage_bounds, planned, args.steps)
@@ -95,7 +75,6 @@ def main() -> None:
                 "model": MODEL,
                 "batch": BATCH.to_dict(),
                 "peer_slowdowns": slowdowns,
-                "measured_flops_per_s": cap.matmul_flops_per_s,
                 "even_split": even,
                 "planned": best | {"predicted_tokens_per_s": plan.throughput_tokens_per_s},
                 "ratio_planned_over_even": ratio,

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from swarmtrain.errors import SwarmError
 from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig, cli_command
+from swarmtrain.peers.planning import plan_emulated_peers
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
 
 DEMO_MODEL = {"n_layer": 6, "n_head": 4, "d_model": 128, "seq_len": 64, "vocab_size": 256}
@@ -40,36 +41,6 @@ class DemoConfig:
     """Coordinator port (0: any free port)."""
     heterogeneous: bool = False
     """Start peers of unequal speed (HETEROGENEOUS_SLOWDOWNS) and plan the stages for them."""
-
-
-def plan_heterogeneous(config: DemoConfig, model_config: dict, batch: BatchConfig):
-    """Measure this machine once, derive each demo peer's capacity from its slowdown, plan."""
-    from swarmtrain.peers.planning import LOOPBACK_BYTES_PER_S, plan_for_peers
-    from swarmtrain.peers.probe import probe
-    from swarmtrain.plan import PeerCapacity
-
-    cap = probe("cpu", seconds=0.3)
-    peers = [
-        PeerCapacity(
-            peer_id=f"peer{i}",
-            flops_per_s=cap.matmul_flops_per_s / slowdown,
-            memory_bytes=cap.usable_memory_bytes / len(HETEROGENEOUS_SLOWDOWNS),
-            bandwidth_bytes_per_s=LOOPBACK_BYTES_PER_S,
-        )
-        for i, slowdown in enumerate(HETEROGENEOUS_SLOWDOWNS)
-    ]
-    plan = plan_for_peers(
-        "tiny-gpt",
-        model_config,
-        peers,
-        microbatch_size=batch.microbatch_size,
-        max_in_flight=batch.max_in_flight,
-        microbatches_per_step=batch.microbatches_per_step,
-    )
-    stages: list[list[float]] = [[] for _ in range(plan.num_stages)]
-    for peer_id, stage in sorted(plan.assignments.items()):
-        stages[stage].append(HETEROGENEOUS_SLOWDOWNS[int(peer_id.removeprefix("peer"))])
-    return plan, stages
 
 
 def _describe_plan(plan, stages: list[list[float]]) -> list[dict]:
@@ -96,7 +67,7 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
     bounds, stage_args, layout = None, {}, None
     if config.heterogeneous:
         with console.status("measuring this machine and planning stages for peers of unequal speed ..."):
-            plan, stages = plan_heterogeneous(config, model_config, batch)
+            plan, stages = plan_emulated_peers("tiny-gpt", model_config, HETEROGENEOUS_SLOWDOWNS, batch)
         bounds, layout = plan.stage_bounds, _describe_plan(plan, stages)
         stage_args = {k: ("--slowdown", str(s[0])) for k, s in enumerate(stages)}
         for row in layout:

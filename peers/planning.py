@@ -115,3 +115,38 @@ class StageRebalancer:
         best = min(candidates, key=lambda c: (-c.moved_tokens_per_s, c.peer_id), default=None)
         move = self.rebalancer.observe(me, best if best is not None and best.peer_id == me else None)
         return None if move is None else move.to_stage
+
+
+def plan_emulated_peers(
+    model: str, model_config: dict, slowdowns: list[float] | tuple[float, ...], batch
+) -> tuple[Plan, list[list[float]]]:
+    """Plan for peers on this machine that pose as slower devices with `--slowdown F`.
+
+    Measures this machine once; peer i gets its flops divided by slowdowns[i] and an equal
+    share of its memory. Returns the plan and, for each stage, the slowdowns of its peers
+    (peers the plan leaves out are in `plan.trainers`, named 'peer{i}').
+    """
+    from swarmtrain.peers.probe import probe
+
+    cap = probe("cpu", seconds=0.3)
+    peers = [
+        PeerCapacity(
+            peer_id=f"peer{i}",
+            flops_per_s=cap.matmul_flops_per_s / slowdown,
+            memory_bytes=cap.usable_memory_bytes / len(slowdowns),
+            bandwidth_bytes_per_s=LOOPBACK_BYTES_PER_S,
+        )
+        for i, slowdown in enumerate(slowdowns)
+    ]
+    plan = plan_for_peers(
+        model,
+        model_config,
+        peers,
+        microbatch_size=batch.microbatch_size,
+        max_in_flight=batch.max_in_flight,
+        microbatches_per_step=batch.microbatches_per_step,
+    )
+    stages: list[list[float]] = [[] for _ in range(plan.num_stages)]
+    for peer_id, stage in sorted(plan.assignments.items()):
+        stages[stage].append(slowdowns[int(peer_id.removeprefix("peer"))])
+    return plan, stages

@@ -362,10 +362,14 @@ class StagePeer:
         from swarmtrain.peers.probe import measure_links
 
         records = await self.node.peers_async(self.manifest.run_id)
-        others = [r.peer_id for r in records if r.role == "stage" and r.peer_id != self.node.peer_id][:max_peers]
+        others = [r.peer_id for r in records if r.role == "stage" and r.peer_id != self.node.peer_id][
+            :max_peers
+        ]
         if not others:
             return
-        links = await measure_links(self.transport, others, self.manifest.run_id, payload_bytes=2**18, timeout_s=5)
+        links = await measure_links(
+            self.transport, others, self.manifest.run_id, payload_bytes=2**18, timeout_s=5
+        )
         rates = sorted(v["bandwidth_bytes_per_s"] for v in links.values() if "bandwidth_bytes_per_s" in v)
         if rates:
             self.capacity["bandwidth_bytes_per_s"] = rates[len(rates) // 2]
@@ -515,7 +519,9 @@ class StagePeer:
         mb = frame.mb_id
         try:
             if self.stage == manifest.num_stages - 1:
-                loss, grad_x = await self._model_compute(runner.forward_loss_backward, mb, x, targets, loss_scale)
+                loss, grad_x = await self._model_compute(
+                    runner.forward_loss_backward, mb, x, targets, loss_scale
+                )
             else:
                 loss, grad_x = await self._chain(frame, x, targets, budget_s - (time.monotonic() - started))
         except (BadFrameError, RemoteError, PeerUnreachableError):

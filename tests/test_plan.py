@@ -1,13 +1,16 @@
 """Planner (pure): hand-computed cases, then properties on random swarms.
 
 Costs and capacities are drawn as integers so sums are exact and the brute force below,
-written from the model's formulas rather than from `CostModel`, agrees on what fits.
+written from the model's formulas rather than from `CostModel`, agrees on what fits. With
+`tokens_per_step` set, stages pay for averaging their gradients: the brute force computes a
+stage's rate as tokens_per_step / (tokens_per_step / r_sum + averaging time).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 import subprocess
 import sys
@@ -62,6 +65,16 @@ def peer(peer_id, flops=1.0, memory=1e18, bandwidth=1e18, is_spot=False) -> Peer
 CONFIG = PlanConfig(tokens_in_flight=1, memory_headroom=0.0)
 
 
+def step_rate(config, rate_sum, replicas, min_bandwidth, grad_bytes) -> float:
+    """A stage's tokens/s: one optimizer step's tokens over its compute plus averaging time."""
+    if replicas == 0:
+        return 0.0
+    if config.tokens_per_step is None or replicas == 1:
+        return rate_sum
+    averaging = config.averaging_overhead_s + 2 * grad_bytes * (replicas - 1) / replicas / min_bandwidth
+    return config.tokens_per_step / (config.tokens_per_step / rate_sum + averaging)
+
+
 def brute_force(costs, peers, config) -> float:
     """Best throughput over every stage count, cut and peer -> stage-or-trainer assignment."""
     n, t = len(costs), config.tokens_in_flight
@@ -72,6 +85,9 @@ def brute_force(costs, peers, config) -> float:
         inbound = costs[i - 1].boundary_bytes_per_token if i > 0 else 0.0
         outbound = costs[j - 1].boundary_bytes_per_token if j < n else 0.0
         return flops, memory, 2.0 * (inbound + outbound)
+
+    def grad_bytes(i, j):  # param_bytes counts weights and gradients alike
+        return sum(c.param_bytes for c in costs[i:j]) / 2
 
     best = 0.0
     for num_stages in range(1, min(n, len(peers), config.max_stages or n) + 1):
@@ -88,12 +104,20 @@ def brute_force(costs, peers, config) -> float:
                     row.append(rate if memory <= usable else None)
                 rates.append(row)
             options = [[s for s in range(num_stages) if row[s] is not None] + [-1] for row in rates]
+            grads = [grad_bytes(bounds[s], bounds[s + 1]) for s in range(num_stages)]
             for choice in itertools.product(*options):
                 totals = [0.0] * num_stages
+                counts = [0] * num_stages
+                links = [math.inf] * num_stages
                 for p, s in enumerate(choice):
                     if s >= 0:
                         totals[s] += rates[p][s]
-                best = max(best, min(totals))
+                        counts[s] += 1
+                        links[s] = min(links[s], peers[p].bandwidth_bytes_per_s)
+                stage_rates = [
+                    step_rate(config, totals[s], counts[s], links[s], grads[s]) for s in range(num_stages)
+                ]
+                best = max(best, min(stage_rates))
     return best
 
 
@@ -193,6 +217,14 @@ def test_bad_inputs_say_what_is_wrong():
         PlanConfig(tokens_in_flight=1, memory_headroom=1.0)
     with pytest.raises(ConfigError, match="tokens_in_flight"):
         PlanConfig(tokens_in_flight=0)
+    with pytest.raises(ConfigError, match="tokens_per_step"):
+        PlanConfig(tokens_in_flight=1, tokens_per_step=0)
+    with pytest.raises(ConfigError, match="tokens_per_step"):
+        PlanConfig(tokens_in_flight=1, tokens_per_step=1.5)
+    with pytest.raises(ConfigError, match="averaging_overhead_s"):
+        PlanConfig(tokens_in_flight=1, tokens_per_step=10, averaging_overhead_s=-1)
+    with pytest.raises(ConfigError, match="averaging_overhead_s"):
+        PlanConfig(tokens_in_flight=1, averaging_overhead_s=math.inf)
     with pytest.raises(ConfigError, match="bandwidth"):
         peer("x", bandwidth=-1)
     with pytest.raises(ConfigError, match="appears twice"):
@@ -260,6 +292,65 @@ def test_best_move_and_rebalancer_hand_case():
     assert should_move(1.0, 1.11, 0.1) and not should_move(1.0, 1.1, 0.1) and should_move(0.0, 1.0, 0.1)
 
 
+def test_averaging_adds_a_per_step_cost_for_replicated_stages():
+    # One block (param_bytes 4: 2 bytes of gradients), two 10 token/s replicas, the slower link
+    # 2 bytes/s. Per 100-token step: 100 / 20 = 5 s of compute, then averaging 1 s + 2 x 2 x
+    # (1/2) / 2 = 2 s, so 100 tokens / 7 s. Without tokens_per_step: the plain sum, 20.
+    costs = [block(1, param=4)]
+    peers = [peer("a", flops=10, bandwidth=2), peer("b", flops=10, bandwidth=8)]
+    config = dataclasses.replace(CONFIG, tokens_per_step=100, averaging_overhead_s=1.0)
+    model = CostModel(costs, config)
+    assert model.stage_grad_bytes(0, 1) == 2
+    assert model.averaging_s(0, 1, 2, 2.0) == 2.0
+    assert model.averaging_s(0, 1, 1, 2.0) == 0.0  # a single replica averages with nobody
+    plan = Plan(
+        stage_bounds=(0, 1),
+        assignments={"a": 0, "b": 0},
+        trainers=(),
+        throughput_tokens_per_s=0.0,
+        stage_tokens_per_s=(0.0,),
+    )
+    assert evaluate(plan, costs, peers, config).throughput_tokens_per_s == pytest.approx(100 / 7)
+    assert evaluate(plan, costs, peers, CONFIG).throughput_tokens_per_s == 20
+    alone = dataclasses.replace(plan, assignments={"a": 0})
+    assert evaluate(alone, costs, peers, config).throughput_tokens_per_s == 10
+    # two replicas (100 / 7 ~ 14.3) beat one (10), so the planner keeps both...
+    assert plan_swarm(costs, peers, config).assignments == {"a": 0, "b": 0}
+    # ...unless averaging costs more than the second replica saves: 100 / (5 + 11) = 6.25 < 10
+    slow = dataclasses.replace(config, averaging_overhead_s=10.0)
+    assert plan_swarm(costs, peers, slow).assignments == {"a": 0}
+    assert plan_swarm(costs, peers, slow).trainers == ("b",)
+    assert join_stage(alone, costs, peers[:1], slow, peers[1]) is None  # it would slow the only stage
+    assert join_stage(alone, costs, peers[:1], config, peers[1]) == 0
+
+
+def test_costly_averaging_turns_data_parallelism_into_a_pipeline():
+    # Six blocks, the first and last twice as heavy (embedding, head); four equal peers. Without
+    # averaging, 4 replicas of the whole model (4 x 8 / 8 = 4 tokens/s) tie a 4-stage pipeline
+    # cut 2 | 1+1 | 1+1 | 2 (8 / 2 = 4), and the planner keeps the first found: 1 stage, 4
+    # replicas. With costly averaging, replicas lose and the pipeline wins.
+    costs = [block(2, param=1), *[block(1, param=1)] * 4, block(2, param=1)]
+    peers = [peer(f"p{i}", flops=8) for i in range(4)]
+    data_parallel = plan_swarm(costs, peers, CONFIG)
+    assert data_parallel.stage_bounds == (0, 6)
+    assert data_parallel.replicas(0) == ("p0", "p1", "p2", "p3")
+    assert data_parallel.throughput_tokens_per_s == 4.0
+    config = dataclasses.replace(CONFIG, tokens_per_step=64, averaging_overhead_s=10.0)
+    plan = plan_swarm(costs, peers, config)
+    assert plan.stage_bounds == (0, 1, 3, 5, 6)
+    assert all(len(plan.replicas(s)) == 1 for s in range(4))
+    assert plan.trainers == ()
+    assert plan.throughput_tokens_per_s == 4.0
+    # the data-parallel plan under the same model: 64 tokens per 64 / 4 s of compute plus 10 s
+    # (and 2 x 3 x (3/4) gradient bytes over a 1e18 bytes/s link) of averaging
+    dp = evaluate(data_parallel, costs, peers, config).throughput_tokens_per_s
+    assert dp == pytest.approx(64 / (64 / 4 + 10 + 2 * 3 * 3 / 4 / 1e18))
+    assert plan.throughput_tokens_per_s > dp
+    # free averaging (no overhead, links fast enough to make the bytes free) is the old model
+    free = dataclasses.replace(config, averaging_overhead_s=0.0)
+    assert plan_swarm(costs, peers, free) == data_parallel
+
+
 def test_planner_imports_no_torch():
     code = "import sys, swarmtrain.plan; assert 'torch' not in sys.modules, 'swarmtrain.plan imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -308,6 +399,16 @@ configs = st.builds(
 )
 
 
+averaging_configs = st.builds(
+    PlanConfig,
+    tokens_in_flight=st.integers(1, 4),
+    memory_headroom=st.sampled_from([0.0, 0.1, 0.25]),
+    max_stages=st.one_of(st.none(), st.integers(1, 8)),
+    tokens_per_step=st.integers(1, 1000),
+    averaging_overhead_s=st.sampled_from([0.0, 0.75, 5.0]),
+)
+
+
 @settings(max_examples=40, deadline=None)
 @given(models(max_blocks=12), swarms(max_peers=12), configs)
 def test_plans_respect_memory_keep_roles_consistent_and_beat_even_split(costs, peers, config):
@@ -326,6 +427,50 @@ def test_plans_respect_memory_keep_roles_consistent_and_beat_even_split(costs, p
         assert fits_any == (p.peer_id in plan.assignments)
     even = even_split_plan(costs, peers, config)
     assert plan.throughput_tokens_per_s >= even.throughput_tokens_per_s * (1 - 1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    models(max_blocks=10), swarms(max_peers=10), averaging_configs, st.integers(1, 100), st.integers(1, 100)
+)
+def test_with_averaging_plans_respect_memory_beat_even_split_and_joins_never_slow(
+    costs, peers, config, flops, bandwidth
+):
+    plan = plan_swarm(costs, peers, config)
+    result = evaluate(plan, costs, peers, config)
+    assert result.over_memory == ()
+    assert set(plan.assignments).isdisjoint(plan.trainers)
+    assert set(plan.assignments) | set(plan.trainers) == {p.peer_id for p in peers}
+    assert plan.throughput_tokens_per_s == pytest.approx(result.throughput_tokens_per_s, rel=1e-12)
+    assert plan.stage_tokens_per_s == pytest.approx(result.stage_tokens_per_s, rel=1e-12)
+    even = even_split_plan(costs, peers, config)
+    assert plan.throughput_tokens_per_s >= even.throughput_tokens_per_s * (1 - 1e-12)
+    newcomer = peer("new", flops=flops, memory=1e18, bandwidth=bandwidth)
+    stage = join_stage(plan, costs, peers, config, newcomer)
+    if stage is not None:  # joining a stage never slows it, so never slows the pipeline
+        joined = dataclasses.replace(plan, assignments={**plan.assignments, "new": stage})
+        after = evaluate(joined, costs, [*peers, newcomer], config)
+        assert after.stage_tokens_per_s[stage] >= result.stage_tokens_per_s[stage] * (1 - 1e-12)
+    for peer_id in plan.assignments:  # best_move predicts what evaluate then finds
+        move = best_move(plan, costs, peers, config, peer_id)
+        if move is not None:
+            moved = dataclasses.replace(plan, assignments={**plan.assignments, peer_id: move.to_stage})
+            expected = evaluate(moved, costs, peers, config).throughput_tokens_per_s
+            assert move.moved_tokens_per_s == pytest.approx(expected, rel=1e-9)
+            assert move.moved_tokens_per_s > move.current_tokens_per_s
+
+
+@settings(max_examples=25, deadline=None)
+@given(models(max_blocks=8), swarms(max_peers=8), configs, st.integers(1, 10**6))
+def test_free_averaging_gives_the_plans_of_the_plain_sum(costs, peers, config, tokens_per_step):
+    """No fixed cost and links so fast that the gradient bytes cost nothing: the old model."""
+    peers = [dataclasses.replace(p, bandwidth_bytes_per_s=1e30) for p in peers]
+    free = dataclasses.replace(config, tokens_per_step=tokens_per_step, averaging_overhead_s=0.0)
+    plan = plan_swarm(costs, peers, config)
+    assert plan_swarm(costs, peers, free) == plan
+    assert even_split_plan(costs, peers, free) == even_split_plan(costs, peers, config)
+    newcomer = peer("new", flops=7, memory=1e18, bandwidth=1e30)
+    assert join_stage(plan, costs, peers, free, newcomer) == join_stage(plan, costs, peers, config, newcomer)
 
 
 @st.composite
@@ -366,6 +511,14 @@ def test_every_stage_has_a_replica_when_memory_allows(instance):
 @settings(max_examples=60, deadline=None)
 @given(models(max_blocks=6), swarms(max_peers=4, min_peers=1), configs)
 def test_small_swarms_are_within_one_percent_of_brute_force(costs, peers, config):
+    optimum = brute_force(costs, peers, config)
+    got = plan_swarm(costs, peers, config).throughput_tokens_per_s
+    assert optimum * 0.99 <= got <= optimum * (1 + 1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(models(max_blocks=6), swarms(max_peers=4, min_peers=1), averaging_configs)
+def test_with_averaging_small_swarms_are_within_one_percent_of_brute_force(costs, peers, config):
     optimum = brute_force(costs, peers, config)
     got = plan_swarm(costs, peers, config).throughput_tokens_per_s
     assert optimum * 0.99 <= got <= optimum * (1 + 1e-9)

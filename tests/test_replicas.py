@@ -38,6 +38,22 @@ def assert_replicas_equal(states: dict[str, dict[str, torch.Tensor]]) -> None:
             assert torch.equal(state[key], ref[key]), f"{name} differs from {first} in {key}"
 
 
+def assert_matches_reference(results, steps: int):
+    """The swarm's step losses equal single-process training's; returns the reference run."""
+    reference = train_reference(
+        model="tiny-gpt",
+        model_config=TINY_GPT,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batches=batches(),
+        steps=steps,
+        microbatches_per_step=BATCH.microbatches_per_step,
+    )
+    losses = torch.tensor([r.loss for r in results])
+    torch.testing.assert_close(losses, torch.tensor(reference.losses), rtol=1e-4, atol=0)
+    return reference
+
+
 def test_replicated_stage_matches_single_process_and_replicas_stay_equal(local_swarm):
     swarm = local_swarm(model_config=TINY_GPT, num_stages=2, seed=SEED, optimizer=OPTIMIZER, batch=BATCH)
     swarm.spawn_stage(1)  # a second replica of stage 1, from the start (downloads the seed state)
@@ -48,19 +64,8 @@ def test_replicated_stage_matches_single_process_and_replicas_stay_equal(local_s
         stage0 = trainer.fetch_state(0, swarm.wait_ready(replica_names(swarm, 0)[0]))
     assert len(stage1) == 2
     assert_replicas_equal(stage1)
-    reference = train_reference(
-        model="tiny-gpt",
-        model_config=TINY_GPT,
-        seed=SEED,
-        optimizer=OPTIMIZER,
-        batches=batches(),
-        steps=steps,
-        microbatches_per_step=BATCH.microbatches_per_step,
-    )
     # Both replicas took microbatches, and the averaged step equals one process's step.
-    torch.testing.assert_close(
-        torch.tensor([r.loss for r in results]), torch.tensor(reference.losses), rtol=1e-4, atol=0
-    )
+    reference = assert_matches_reference(results, steps)
     merged = stage0 | next(iter(stage1.values()))
     for key, value in reference.state.items():
         torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-4)
@@ -123,18 +128,7 @@ def test_unequal_stages_with_slow_replicas_match_single_process(local_swarm):
         "block.2",
         "block.3",
     }
-    reference = train_reference(
-        model="tiny-gpt",
-        model_config=TINY_GPT,
-        seed=SEED,
-        optimizer=OPTIMIZER,
-        batches=batches(),
-        steps=steps,
-        microbatches_per_step=BATCH.microbatches_per_step,
-    )
-    torch.testing.assert_close(
-        torch.tensor([r.loss for r in results]), torch.tensor(reference.losses), rtol=1e-4, atol=0
-    )
+    reference = assert_matches_reference(results, steps)
     merged = next(iter(stage0.values())) | stage1
     for key, value in reference.state.items():
         torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-4)
