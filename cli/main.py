@@ -216,6 +216,16 @@ def coordinator(
     steps: Annotated[int, typer.Option(help="Optimizer steps the run aims for; 0 means until stopped.")] = 0,
     host: Host = "127.0.0.1",
     port: Port = 0,
+    dashboard_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Serve the swarm dashboard on this port, 0..65535 (0 picks a free one).",
+            show_default="no dashboard",
+        ),
+    ] = None,
+    dashboard_host: Annotated[
+        str, typer.Option(help="Address the dashboard listens on: 127.0.0.1 (this machine) or 0.0.0.0.")
+    ] = "127.0.0.1",
     address_file: Annotated[
         Path | None,
         typer.Option(
@@ -229,6 +239,7 @@ def coordinator(
     """Start a swarm: a bootstrap DHT peer that publishes a run's manifest."""
     setup_logging(verbose)
     from swarmtrain.peers.coordinator import Coordinator, CoordinatorConfig
+    from swarmtrain.peers.dashboard.config import DashboardConfig
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.wire.records import BatchConfig, OptimizerConfig
 
@@ -248,6 +259,9 @@ def coordinator(
             ),
             seed=seed,
             max_steps=steps,
+            dashboard=None
+            if dashboard_port is None
+            else DashboardConfig(host=dashboard_host, port=dashboard_port),
         )
         coord = Coordinator(config)
         try:
@@ -257,6 +271,8 @@ def coordinator(
             )
             typer.echo(f"peer address: {coord.address}")
             typer.echo(f"join with:    swarmtrain join --initial-peers {coord.address}")
+            if coord.dashboard is not None:
+                typer.echo(f"dashboard:    {coord.dashboard.url}")
             if address_file is not None:
                 tmp = address_file.with_suffix(".tmp")
                 tmp.write_text(coord.address + "\n")

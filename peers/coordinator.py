@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import swarmtrain
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
+from swarmtrain.peers.dashboard.config import DashboardConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.wire.records import (
     BatchConfig,
@@ -50,6 +51,8 @@ class CoordinatorConfig:
     """Steps the run aims for (0: until stopped)."""
     republish_s: float = 10.0
     """Seconds between republications of the manifest."""
+    dashboard: DashboardConfig | None = None
+    """Serve the swarm dashboard from this process; None: no dashboard."""
 
     def __post_init__(self):
         check_run_id(self.run_id)
@@ -80,6 +83,15 @@ class Coordinator:
         self.config = config
         self.manifest = make_manifest(config)
         self.node = SwarmNode(config.node)
+        self.dashboard = None
+        if config.dashboard is not None:
+            from swarmtrain.peers.dashboard.server import DashboardThread  # needs the [dashboard] extra
+
+            try:
+                self.dashboard = DashboardThread(self.node, self.manifest.run_id, config.dashboard)
+            except BaseException:
+                self.node.shutdown()
+                raise
         self._closed = threading.Event()
         self._publish()
         self._thread = threading.Thread(target=self._republish, name="coordinator-publish", daemon=True)
@@ -113,6 +125,8 @@ class Coordinator:
 
     def close(self) -> None:
         self._closed.set()
+        if self.dashboard is not None:
+            self.dashboard.stop()
         self.node.shutdown()
 
     def __enter__(self) -> Coordinator:

@@ -2,6 +2,8 @@ import os
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 
+import time  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -27,3 +29,27 @@ def local_swarm(tmp_path):
     yield make
     for swarm in swarms:
         swarm.close()
+
+
+POLL_S = 0.1
+
+
+def wait_until(condition, *, timeout_s: float, what: str) -> None:
+    """Poll `condition` until it holds; fail the test after `timeout_s` seconds.
+
+    The one place tests wait on something outside the process (a file, a DHT record): a
+    poll with a deadline, never a fixed sleep standing in for synchronization.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(POLL_S)
+
+
+def holds_for(condition, *, duration_s: float, what: str) -> None:
+    """Check `condition` at every poll for `duration_s` seconds (e.g. that nothing flaps)."""
+    until = time.monotonic() + duration_s
+    while time.monotonic() < until:
+        assert condition(), f"{what} stopped holding"
+        time.sleep(POLL_S)

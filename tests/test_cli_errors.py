@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from swarmtrain.cli.main import app
+from tests.conftest import wait_until
 
 SCRIPT = Path(sys.executable).with_name("swarmtrain")
 CLI = (str(SCRIPT),) if SCRIPT.exists() else (sys.executable, "-m", "swarmtrain.cli")
@@ -220,15 +221,6 @@ class Processes:
         for proc in self._started:
             self._signal_group(proc, signal.SIGKILL)
             proc.wait()
-
-
-def wait_until(condition, *, timeout_s: float, what: str) -> None:
-    """Poll `condition` until it holds; fail the test after `timeout_s` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def free_port() -> int:

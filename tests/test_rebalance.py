@@ -1,12 +1,10 @@
 """Rebalancing with hysteresis on a real swarm: peers start piled on one stage while the
 other stage's only peer is very slow; exactly one peer moves, and the layout then holds."""
 
-import time
-
 import pytest
 
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
-from tests.conftest import TINY_GPT
+from tests.conftest import TINY_GPT, holds_for, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -27,18 +25,15 @@ def test_an_unbalanced_swarm_spreads_out_once_and_does_not_flap(local_swarm):
         swarm.spawn_stage(0, extra_args=fast)
     node = SwarmNode(NodeConfig(initial_peers=(swarm.address,)))
     try:
-        deadline = time.monotonic() + 90
-        while (current := layout(node, "demo")) and [len(current.get(k, [])) for k in (0, 1)] != [2, 2]:
-            assert [len(current.get(k, [])) for k in (0, 1)] in ([3, 1], [2, 1], [2, 2]), (
-                current
-            )  # never a herd
-            assert time.monotonic() < deadline, f"no peer moved within 90 s: {current}"
-            time.sleep(0.25)
+
+        def spread() -> bool:
+            counts = [len(layout(node, "demo").get(k, [])) for k in (0, 1)]
+            assert counts in ([3, 1], [2, 1], [2, 2]), counts  # one mover at a time, never a herd
+            return counts == [2, 2]
+
+        wait_until(spread, timeout_s=90, what="one stage-0 peer to move to stage 1")
         settled = layout(node, "demo")
         # Hysteresis: over several more checks (patience is 3) nobody moves back or on.
-        watch_until = time.monotonic() + 6 * CHECK_S
-        while time.monotonic() < watch_until:
-            assert layout(node, "demo") == settled
-            time.sleep(0.25)
+        holds_for(lambda: layout(node, "demo") == settled, duration_s=6 * CHECK_S, what="the settled layout")
     finally:
         node.shutdown()

@@ -1,0 +1,59 @@
+"""Training metrics as the dashboard and (later) the DHT carry them.
+
+`TrainerPoint` is what a trainer reports after an optimizer step. Nothing publishes it to
+the DHT yet; the dashboard's `SwarmView.add_trainer_point()` takes it, so a trainer that
+announces `{run}.metrics` later only has to decode and hand the points over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from swarmtrain.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerPoint:
+    """One optimizer step as seen by the trainer that drove it."""
+
+    trainer: str
+    """Who reports: the trainer's peer id (or any stable name)."""
+    step: int
+    """Optimizer step just completed."""
+    loss: float
+    """Mean training loss over the step's microbatches."""
+    tokens_per_s: float
+    """Tokens the step consumed divided by its wall time."""
+    t: float
+    """Wall-clock time (time.time(), the DHT's clock) the step completed."""
+
+    def __post_init__(self):
+        if not isinstance(self.trainer, str) or not self.trainer:
+            raise ConfigError("trainer point: trainer must be a non-empty name")
+        if not isinstance(self.step, int) or self.step < 0:
+            raise ConfigError(f"trainer point: step must be an integer >= 0, got {self.step!r}")
+        object.__setattr__(self, "loss", float(self.loss))
+        object.__setattr__(self, "tokens_per_s", float(self.tokens_per_s))
+        object.__setattr__(self, "t", float(self.t))
+        if not math.isfinite(self.tokens_per_s) or self.tokens_per_s < 0:
+            raise ConfigError(f"trainer point: tokens_per_s must be finite and >= 0, got {self.tokens_per_s}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TrainerPoint:
+        if not isinstance(data, dict):
+            raise ConfigError(f"trainer point: expected a mapping, got {type(data).__name__}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"trainer point: unknown fields {sorted(unknown)}")
+        try:
+            return cls(**data)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"trainer point: {e}") from None
