@@ -27,7 +27,7 @@ import swarmtrain
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
 from swarmtrain.model import build_model, build_stage
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
-from swarmtrain.train.averaging import ReplicaAverager
+from swarmtrain.train.averaging import GradientInbox, group_sum
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame, error_frame
@@ -143,10 +143,7 @@ class StagePeer:
         self._stop: asyncio.Event | None = None
         self._in_flight = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        self._avg_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="stage-average"
-        )
-        self.averager: ReplicaAverager | None = None
+        self._inbox = GradientInbox()
         self._beat_soon: asyncio.Task | None = None
         self.capacity: dict = {}
         self._rebalancer = None
@@ -173,9 +170,6 @@ class StagePeer:
             await self._serve(self.node)
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
-            self._avg_pool.shutdown(wait=False, cancel_futures=True)
-            if self.averager is not None:
-                self.averager.shutdown()
             self.node.shutdown()
 
     async def _serve(self, node: SwarmNode) -> None:
@@ -229,7 +223,7 @@ class StagePeer:
         await asyncio.gather(beats, *([self._beat_soon] if self._beat_soon else []), return_exceptions=True)
 
     def _take_stage(self, stage: int) -> None:
-        """Build `stage`'s blocks (from the run seed), its optimizer and its averager."""
+        """Build `stage`'s blocks (from the run seed) and its optimizer."""
         manifest = self.manifest
         start, end = manifest.stage_span(stage)
         module = build_stage(
@@ -241,11 +235,9 @@ class StagePeer:
             seed=manifest.seed,
             device=self.config.device,
         )
-        if self.averager is not None:
-            self.averager.shutdown()
         self.stage = stage
         self.runner = StageRunner(module, manifest.optimizer, microbatch_size=manifest.batch.microbatch_size)
-        self.averager = ReplicaAverager(self.node.dht, manifest.run_id, stage, self.runner.grads())
+        self._inbox = GradientInbox()
 
     async def _switch_stage(self, stage: int) -> None:
         """Move to `stage`: drain, take its blocks and a live replica's state, serve again."""
@@ -319,11 +311,14 @@ class StagePeer:
             return True
         return False
 
-    async def _resync_if_behind(self) -> None:
-        """A replica that missed a step (it joined mid-step, or a commit failed) catches up."""
+    async def _resync_if_behind(self, force: bool = False) -> bool:
+        """A replica that missed a step (it joined mid-step, or a commit failed) catches up.
+
+        Without `force`, only when idle; returns True if it took a replica's newer state.
+        """
         runner = self.runner
-        if self._in_flight or runner.num_pending or runner.num_committed:
-            return
+        if not force and (self._in_flight or runner.num_pending or runner.num_committed):
+            return False
         replicas = await self._live_replicas()
         if replicas and replicas[0].step > runner.step:
             logger.info(
@@ -332,7 +327,8 @@ class StagePeer:
                 runner.step,
                 replicas[0].step,
             )
-            await self._sync_from_replica()
+            return await self._sync_from_replica()
+        return False
 
     async def _heartbeats(self) -> None:
         last_check = time.monotonic()
@@ -435,6 +431,12 @@ class StagePeer:
             )
         if frame.kind == "step":
             return await self._on_step(frame)
+        if frame.kind == "grads":
+            try:
+                return await self._on_grads(frame, peer)
+            except BadFrameError as e:
+                self.transport.strike(peer, str(e))
+                return error_frame(run_id, f"stage {self.stage} rejected gradients: {e}", retryable=False)
         if frame.kind == "state":
             step = self.runner.step
             state = await self._compute(self.runner.export_state)
@@ -475,27 +477,74 @@ class StagePeer:
         }
 
     async def _on_step(self, frame: Frame) -> Frame:
-        """Commit a step: check this replica's microbatches, average with the group, step."""
+        """Commit a step: check this replica's microbatches, sum gradients with the group, step.
+
+        meta: num_microbatches (this replica's share), group (peer ids of every replica of
+        the stage that steps together). A replica whose exchange fails while another
+        replica got ahead takes that replica's state instead of stepping on its own.
+        """
         run_id, runner = self.manifest.run_id, self.runner
-        n, group = frame.meta.get("num_microbatches"), frame.meta.get("group_size", 1)
+        n, group = frame.meta.get("num_microbatches"), str(frame.meta.get("group", self.node.peer_id)).split()
         if frame.meta.get("abort"):
             await self._compute(runner.discard_step)
             return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=runner.step)
-        if not isinstance(n, int) or n < 0 or not isinstance(group, int) or group < 1:
+        if frame.meta.get("resync") and runner.step == frame.step:
+            if not await self._resync_if_behind(force=True):
+                return error_frame(
+                    run_id, f"stage {self.stage}: no replica ahead to take state from", retryable=True
+                )
+            return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=runner.step)
+        if not isinstance(n, int) or n < 0 or self.node.peer_id not in group:
             return error_frame(
-                run_id, "step frame needs meta num_microbatches >= 0 and group_size >= 1", retryable=False
+                run_id, "step frame needs num_microbatches >= 0 and a group naming this peer", retryable=False
             )
         try:
-            if await self._compute(runner.check_step, frame.step, n):
-                await self._loop.run_in_executor(self._avg_pool, self._average, frame.step, group)
+            if await self._compute(runner.check_step, frame.step, n) and len(group) > 1:
+                try:
+                    await self._exchange(frame.step, [p for p in group if p != self.node.peer_id])
+                except (RemoteError, PeerUnreachableError) as e:
+                    if not await self._resync_if_behind(force=True):
+                        raise RemoteError(f"gradient exchange failed: {e}", retryable=True) from None
+                    return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=runner.step)
             new_step = await self._compute(runner.apply_step, frame.step, n)
         except RemoteError as e:
             return error_frame(run_id, f"stage {self.stage}: {e}", retryable=e.retryable, stage=self.stage)
         self._beat_soon = asyncio.create_task(self._heartbeat())  # routing sees the new step now
         return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=new_step)
 
-    def _average(self, step: int, group_size: int) -> None:
-        self.averager.sum_over_group(self.runner.grads(), group_size=group_size, step=step, timeout_s=20)
+    async def _exchange(self, step: int, others: list[str], timeout_s: float = 30.0) -> None:
+        """Send this replica's gradients to `others`, take theirs, sum them all in place."""
+        local = await self._compute(lambda: [g.detach().cpu().clone() for g in self.runner.grads()])
+        frame = Frame(
+            kind="grads",
+            run_id=self.manifest.run_id,
+            stage=self.stage,
+            step=step,
+            tensors={str(i): g for i, g in enumerate(local)},
+        )
+        name = handler_name(self.manifest.run_id)
+        sends = [self.transport.call(p, name, frame, timeout_s=timeout_s) for p in others]
+        results = await asyncio.gather(
+            *sends, self._inbox.take(step, others, timeout_s), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        total = group_sum(self.node.peer_id, local, results[-1])
+        await self._compute(lambda: [g.copy_(t) for g, t in zip(self.runner.grads(), total)])
+
+    async def _on_grads(self, frame: Frame, peer: str) -> Frame:
+        if frame.step != self.runner.step:
+            return error_frame(
+                self.manifest.run_id,
+                f"stage {self.stage} is at step {self.runner.step}, not {frame.step}",
+                retryable=True,
+            )
+        grads = [frame.tensors.get(str(i)) for i in range(len(frame.tensors))]
+        if any(g is None for g in grads):
+            raise BadFrameError("a grads frame names its tensors 0..N-1")
+        await self._inbox.put(frame.step, peer, grads, self.runner.grads())
+        return Frame(kind="result", run_id=self.manifest.run_id, stage=self.stage, step=frame.step)
 
     async def _on_forward(self, frame: Frame) -> Frame:
         runner, manifest = self.runner, self.manifest

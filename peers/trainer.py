@@ -363,8 +363,14 @@ class _Step:
             counts = {p: sum(1 for r in self.routes.values() if r[stage] == p) for p in replicas}
             self.dropped = max(self.dropped, len(self.routes) - sum(counts.values()))
 
-            async def commit(peer: str, counts=counts, group_size=len(replicas)) -> None:
-                meta = {"num_microbatches": counts[peer], "group_size": group_size}
+            # Replicas that stepped already hold the step's result: the others take their
+            # state rather than step on a smaller group's gradients.
+            resync = any(t._step_of(r) == self.step + 1 for r in records)
+
+            async def commit(
+                peer: str, counts=counts, group=" ".join(sorted(replicas)), resync=resync
+            ) -> None:
+                meta = {"num_microbatches": counts[peer], "group": group, "resync": resync}
                 frame = Frame(kind="step", run_id=run_id, stage=stage, step=self.step, meta=meta)
                 reply = await t.transport.call(peer, handler_name(run_id), frame, timeout_s=60)
                 t._known_step[peer] = reply.step

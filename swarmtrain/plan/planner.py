@@ -295,10 +295,14 @@ def plan_swarm(costs: Sequence[BlockCost], peers: Iterable[PeerCapacity], config
     those peers can cover if none of these is). The `config.refine_top` best of all these
     are then refined: alternately re-cut the boundaries exactly for the assignment and
     re-assign peers to the new cut, until the plan stops improving. Stage counts whose
-    bandwidth bound cannot beat the best plan so far are skipped.
+    bandwidth bound cannot beat the best plan so far are skipped. With averaging
+    (`config.tokens_per_step`) that bound seldom prunes, so in swarms over LOCAL_SEARCH_PEERS
+    peers the first pass only assigns peers to the starting cuts (AVERAGING_QUICK_ROUNDS).
 
-    The result is never worse than `even_split_plan` and never over a peer's usable memory;
-    every peer that fits a stage of the chosen cut replicates one, the others are trainers.
+    The result is never worse than `even_split_plan` and never over a peer's usable memory.
+    Without averaging every peer that fits a stage of the chosen cut replicates one, the others
+    are trainers; with it, so are peers whose replica would only slow the stages they fit
+    (the averaging it adds outweighs its tokens).
     """
     model = CostModel(costs, config)
     problem = Problem(model, _sorted_peers(peers), config)

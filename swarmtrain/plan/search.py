@@ -6,7 +6,8 @@
 - `assign`: given boundaries, which stage each peer replicates: cover every stage first
   (scarcest stage first, non-spot peers first, augmenting paths where needed), then each
   remaining peer to the slowest stage it fits (least flexible peers first, then fastest),
-  then single moves and swaps that lift the slowest stage (local search).
+  with averaging a trim of each stage's worst-linked replicas (and a refill with them), then
+  single moves and swaps that lift the slowest stage (local search).
 
 A stage's rate is `CostModel.stage_rate` of its replicas (vectorised here as `Problem.rates`):
 their summed rate, less the gradient averaging when the config sets `tokens_per_step`. With
@@ -36,7 +37,7 @@ MATRIX_CACHE_SIZE = 512
 """Replica sets whose span-rate matrix a Problem keeps (the anchor cuts reuse single peers)."""
 _RELATIVE_GAIN = 1e-9
 """A local-search step must lift the slowest stage by this fraction, so float noise cannot cycle."""
-FILL_SCAN_STAGES = 8
+FILL_SCAN_STAGES = 4
 """With averaging, a peer that would slow the slowest stage it fits tries at most this many
 stages (slowest first) before it is left a trainer."""
 AVERAGING_STEP_LIMIT = 64
@@ -163,7 +164,8 @@ class Problem:
         Each token crosses num_stages - 1 cuts, and each cut costs the two replicas beside it
         2 x (boundary bytes) apiece, so stage rate tau needs tau x 4 x (S - 1) x (smallest
         boundary) bytes/s, out of the summed bandwidth of peers that fit at least one block.
-        The compute bound, tau x (FLOPs of the model) <= summed FLOP/s, holds too.
+        The compute bound, tau x (FLOPs of the model) <= summed FLOP/s, holds too. Averaging
+        only lowers stage rates, so both stay upper bounds with it (loose ones).
         """
         single = self.cell_memory[np.arange(self.num_blocks), np.arange(1, self.num_blocks + 1)].min()
         useful = self.memory >= single
@@ -251,11 +253,11 @@ class Problem:
         flops = self.cell_flops[starts, stops]
         traffic = self.cell_traffic[starts, stops]
         compute = self.flops[:, None] / flops[None, :]  # (P, S)
-        with np.errstate(divide="ignore"):
-            network = np.where(
-                traffic > 0, self.bandwidth[:, None] / np.where(traffic > 0, traffic, 1.0), np.inf
-            )
+        silent = traffic == 0  # one stage for the whole model: nothing crosses the wire
+        network = self.bandwidth[:, None] / np.where(silent, 1.0, traffic)[None, :]
         rate = np.minimum(compute, network)  # (P, S)
+        if silent.any():
+            rate[:, silent] = compute[:, silent]
         fits = self.memory[:, None] >= self.cell_memory[starts, stops][None, :]  # (P, S)
         return rate, fits
 
@@ -369,16 +371,20 @@ class Problem:
         peer joins only a stage it does not slow: the slowest such among the FILL_SCAN_STAGES
         slowest it fits; if there is none it stays a trainer.
         """
-        num_stages = rate.shape[1]
-        sums = rate_sums(stage, rate).tolist()
-        counts = np.bincount(stage[stage >= 0], minlength=num_stages).tolist()
-        low = self.slowest_links(stage, num_stages).tolist()
-        grad = grad.tolist()
-        totals = [self._rate(sums[s], counts[s], low[s], grad[s]) for s in range(num_stages)]
         free = (stage == TRAINER) & fits.any(axis=1)
         waiting = np.flatnonzero(free) if waiting is None else waiting[free[waiting]]
         if waiting.size == 0:
             return
+        num_stages, averages = rate.shape[1], self.averages
+        sums = rate_sums(stage, rate).tolist()
+        totals = sums  # rates simply add: a stage's rate is its sum
+        if averages:
+            counts = np.bincount(stage[stage >= 0], minlength=num_stages).tolist()
+            low = self.slowest_links(stage, num_stages).tolist()
+            grad = grad.tolist()
+            totals = [self._rate(sums[s], counts[s], low[s], grad[s]) for s in range(num_stages)]
+            overhead, tokens = self.model.averaging_overhead_s, self.model.tokens_per_step
+            bandwidth = self.bandwidth.tolist()
         # A peer fits the stages needing at most its memory, so the number of stages it fits
         # names the set. Peers with the same set share a heap of (stage total, stage); totals
         # only grow (a peer never joins a stage it would slow), so an entry is stale iff its
@@ -393,20 +399,17 @@ class Problem:
                 for s in members:
                     holders[s].append(key)
         order = np.lexsort((-self.flops[waiting], keys))  # fewest stages first, then fastest
-        bandwidth = self.bandwidth.tolist()
         # With averaging, the fastest link among peers of each heap turned away so far: an earlier
         # (so no slower) peer with at least this one's link was refused, so this one would likely
         # be too (a stage's rate only rises with the replica's rate and link); it is not tried.
         refused = dict.fromkeys(heaps, -math.inf)
-        averages, scan = self.averages, FILL_SCAN_STAGES
-        if averages:
-            overhead, tokens = self.model.averaging_overhead_s, self.model.tokens_per_step
         pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
         chosen = []
         for p, key in zip(waiting[order].tolist(), [keys[i] for i in order.tolist()], strict=True):
-            link = bandwidth[p]
-            if link <= refused[key]:
-                continue
+            if averages:
+                link = bandwidth[p]
+                if link <= refused[key]:
+                    continue
             heap, s, tried = heaps[key], None, []
             while heap:
                 total, t = heap[0]
@@ -423,17 +426,18 @@ class Problem:
                     s = t
                     break
                 tried.append(pop(heap))
-                if len(tried) >= scan:
+                if len(tried) >= FILL_SCAN_STAGES:
                     break
-            if s is None:
+            if s is None:  # only with averaging
                 for entry in tried:
                     push(heap, entry)
                 refused[key] = max(refused[key], link)
                 continue
             chosen.append((p, s))
-            sums[s] += r
-            counts[s] += 1
-            low[s] = min(low[s], link)
+            if averages:
+                sums[s] += r
+                counts[s] += 1
+                low[s] = min(low[s], link)
             totals[s] = after
             replace(heap, (after, s))  # s is this heap's top: no stale entry left behind
             for entry in tried:
@@ -487,62 +491,76 @@ class Problem:
     def _improve(self, stage: np.ndarray, rate: np.ndarray, fits: np.ndarray, grad: np.ndarray) -> None:
         """Single moves into, and swaps with, the slowest stage while they lift it; with
         averaging also a replica of the slowest stage returning to training, and trainers
-        moving in.
+        moving in (or swapping in for one of its replicas).
 
         A step is taken only if every changed stage ends above the old minimum, so the sorted
         vector of stage rates rises lexicographically and the search terminates.
         """
         num_peers, num_stages = rate.shape
         peers = np.arange(num_peers)
-        bandwidth = self.bandwidth
+        bandwidth, averages = self.bandwidth, self.averages
         steps = 4 * num_peers
-        if self.averages and num_peers > AVERAGING_STEP_LIMIT:
+        if averages and num_peers > AVERAGING_STEP_LIMIT:
             steps = AVERAGING_STEP_LIMIT
         for _ in range(steps):
             assigned = stage >= 0
             own = np.where(assigned, stage, 0)
             sums = rate_sums(stage, rate)
             counts = np.bincount(stage[assigned], minlength=num_stages)
-            low, holder, second = self.links(stage, num_stages)
-            totals = self.rates(sums, counts, low, grad)
-            b = int(np.argmin(totals))
-            floor = totals[b] * (1 + _RELATIVE_GAIN)
             own_rate = rate[peers, own]
-            without = np.where(holder[own] == peers, second[own], low[own])  # own stage's link, p gone
-            source_after = np.where(
-                assigned, self.rates(sums[own] - own_rate, counts[own] - 1, without, grad[own]), np.inf
-            )
-            joined = self.rates(sums[b] + rate[:, b], counts[b] + 1, np.minimum(low[b], bandwidth), grad[b])
-            movable = (~assigned | ((stage != b) & (counts[own] >= 2))) & fits[:, b]
+            if averages:
+                low, holder, second = self.links(stage, num_stages)
+                totals = self.rates(sums, counts, low, grad)
+                b = int(np.argmin(totals))
+                without = np.where(holder[own] == peers, second[own], low[own])  # own stage's link, p gone
+                source_after = np.where(
+                    assigned, self.rates(sums[own] - own_rate, counts[own] - 1, without, grad[own]), np.inf
+                )
+                joined = self.rates(
+                    sums[b] + rate[:, b], counts[b] + 1, np.minimum(low[b], bandwidth), grad[b]
+                )
+                movable = (~assigned | ((stage != b) & (counts[own] >= 2))) & fits[:, b]
+            else:  # the same with rates that simply add (and no trainer fits a stage: the fill placed all)
+                totals = sums
+                b = int(np.argmin(totals))
+                source_after = totals[own] - own_rate
+                joined = totals[b] + rate[:, b]
+                movable = assigned & (stage != b) & (counts[own] >= 2) & fits[:, b]
+            floor = totals[b] * (1 + _RELATIVE_GAIN)
             gain = np.where(movable, np.minimum(source_after, joined), -np.inf)
             best_p, best_q = int(np.argmax(gain)), -1
             best = gain[best_p]
             if num_peers <= SWAP_PEER_LIMIT:
                 for q in np.flatnonzero(stage == b).tolist():
-                    ok = (~assigned | ((stage != b) & fits[q, own])) & fits[:, b]
-                    after_src = np.where(
-                        assigned,
-                        self.rates(
-                            sums[own] - own_rate + rate[q, own],
-                            counts[own],
-                            np.minimum(without, bandwidth[q]),
-                            grad[own],
-                        ),
-                        np.inf,
-                    )
-                    q_without = second[b] if holder[b] == q else low[b]
-                    after_dst = self.rates(
-                        sums[b] - rate[q, b] + rate[:, b],
-                        counts[b],
-                        np.minimum(q_without, bandwidth),
-                        grad[b],
-                    )
+                    if averages:
+                        ok = (~assigned | ((stage != b) & fits[q, own])) & fits[:, b]
+                        after_src = np.where(
+                            assigned,
+                            self.rates(
+                                sums[own] - own_rate + rate[q, own],
+                                counts[own],
+                                np.minimum(without, bandwidth[q]),
+                                grad[own],
+                            ),
+                            np.inf,
+                        )
+                        q_without = second[b] if holder[b] == q else low[b]
+                        after_dst = self.rates(
+                            sums[b] - rate[q, b] + rate[:, b],
+                            counts[b],
+                            np.minimum(q_without, bandwidth),
+                            grad[b],
+                        )
+                    else:
+                        ok = assigned & (stage != b) & fits[:, b] & fits[q, own]
+                        after_src = source_after + rate[q, own]
+                        after_dst = totals[b] - rate[q, b] + rate[:, b]
                     swap_gain = np.where(ok, np.minimum(after_src, after_dst), -np.inf)
                     p = int(np.argmax(swap_gain))
                     if swap_gain[p] > best:
                         best, best_p, best_q = swap_gain[p], p, q
             drop = -1
-            if self.averages and counts[b] >= 2:
+            if averages and counts[b] >= 2:
                 members = np.flatnonzero(stage == b)
                 left = np.where(holder[b] == members, second[b], low[b])
                 after = self.rates(sums[b] - rate[members, b], counts[b] - 1, left, grad[b])
