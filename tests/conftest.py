@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
+# Before anything imports triton: without a GPU the kernel tests run under Triton's interpreter.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import time  # noqa: E402
 

@@ -1,0 +1,253 @@
+"""Triton kernels for the blockwise quantizers in quant_ref.py, plus thin launchers.
+
+Each program handles ROWS consecutive blocks of BLOCK values as one (ROWS, BLOCK) tile.
+Launchers take the same arguments and return the same tensors as quant_ref; they run on CUDA
+tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before `import triton`.
+Stochastic rounding draws from Philox (`tl.rand(seed, offset)`), not torch's generator.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant_ref import (
+    INT8_MAX,
+    check_block_size,
+    check_dtype,
+    check_finite,
+    check_input,
+    code_book,
+    code_midpoints,
+    num_blocks,
+)
+
+# Values per program. The interpreter pays per program instance (256-value programs ~20x
+# slower than 4096), so it gets huge tiles; on a GPU 4096 values keep a tile in registers.
+TILE_VALUES_GPU = 4096
+TILE_VALUES_INTERPRET = 65536
+NUM_WARPS = 4
+NUM_LEVELS_4BIT = 16
+
+# Kernels may only read globals wrapped in tl.constexpr.
+_Q_MAX = tl.constexpr(float(INT8_MAX))
+_INF = tl.constexpr(float("inf"))
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _rows_per_program(block_size: int) -> int:
+    tile = TILE_VALUES_INTERPRET if _INTERPRET else TILE_VALUES_GPU
+    return max(1, tile // block_size)
+
+
+@triton.jit
+def _inf_if_nan(absmax, v):
+    # GPU max reductions may drop NaN: mark the block inf so the launcher rejects the input.
+    has_nan = tl.max((v != v).to(tl.int32), axis=1) > 0
+    return tl.where(has_nan, _INF, absmax)
+
+
+@triton.jit
+def _int8_quant_kernel(
+    x_ptr, r_ptr, q_ptr, absmax_ptr, n, n_blocks, seed,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
+    mask = offs < n
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if FEEDBACK:
+        v += tl.load(r_ptr + offs, mask=mask, other=0.0)
+    absmax = _inf_if_nan(tl.max(tl.abs(v), axis=1), v)  # (ROWS,)
+    nonzero = absmax > 0
+    inv = tl.where(nonzero, _Q_MAX / tl.where(nonzero, absmax, 1.0), 0.0)
+    y = v * inv[:, None]
+    if STOCHASTIC:
+        y += tl.rand(seed, offs)
+    else:
+        y += 0.5
+    q = tl.minimum(tl.maximum(tl.floor(y), -_Q_MAX), _Q_MAX)
+    tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
+    tl.store(absmax_ptr + row, absmax, mask=row < n_blocks)
+    if FEEDBACK:
+        tl.store(r_ptr + offs, v - q * (absmax / _Q_MAX)[:, None], mask=mask)
+
+
+@triton.jit
+def _int8_dequant_kernel(q_ptr, absmax_ptr, out_ptr, n, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
+    mask = offs < n
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
+    absmax = tl.load(absmax_ptr + row, mask=row < n_blocks, other=0.0)
+    out = q * (absmax / _Q_MAX)[:, None]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nearest_index(xn, mid_ptr, NUM_LEVELS: tl.constexpr):
+    idx = tl.zeros(xn.shape, dtype=tl.int32)
+    for k in tl.static_range(NUM_LEVELS - 1):
+        idx += (xn > tl.load(mid_ptr + k)).to(tl.int32)
+    return idx
+
+
+@triton.jit
+def _stochastic_index(xn, code_ptr, u, NUM_LEVELS: tl.constexpr):
+    lo = tl.zeros(xn.shape, dtype=tl.int32)
+    for k in tl.static_range(1, NUM_LEVELS):
+        lo += (xn >= tl.load(code_ptr + k)).to(tl.int32)
+    lo = tl.minimum(lo, NUM_LEVELS - 2)
+    c_lo = tl.load(code_ptr + lo)
+    c_hi = tl.load(code_ptr + lo + 1)
+    return lo + (u < (xn - c_lo) / (c_hi - c_lo)).to(tl.int32)
+
+
+@triton.jit
+def _4bit_quant_kernel(
+    x_ptr, code_ptr, mid_ptr, packed_ptr, absmax_ptr, n, n_blocks, seed,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr, NUM_LEVELS: tl.constexpr,
+):  # fmt: skip
+    HALF: tl.constexpr = BLOCK // 2
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    pair = row[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF): byte index
+    even, odd = 2 * pair, 2 * pair + 1
+    x_even = tl.load(x_ptr + even, mask=even < n, other=0.0).to(tl.float32)
+    x_odd = tl.load(x_ptr + odd, mask=odd < n, other=0.0).to(tl.float32)
+    absmax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))  # (ROWS,)
+    absmax = _inf_if_nan(_inf_if_nan(absmax, x_even), x_odd)
+    nonzero = absmax > 0
+    inv = tl.where(nonzero, 1.0 / tl.where(nonzero, absmax, 1.0), 0.0)[:, None]
+    if STOCHASTIC:
+        i_even = _stochastic_index(x_even * inv, code_ptr, tl.rand(seed, even), NUM_LEVELS)
+        i_odd = _stochastic_index(x_odd * inv, code_ptr, tl.rand(seed, odd), NUM_LEVELS)
+    else:
+        i_even = _nearest_index(x_even * inv, mid_ptr, NUM_LEVELS)
+        i_odd = _nearest_index(x_odd * inv, mid_ptr, NUM_LEVELS)
+    tl.store(packed_ptr + pair, (i_even | (i_odd << 4)).to(tl.uint8), mask=even < n)
+    tl.store(absmax_ptr + row, absmax, mask=row < n_blocks)
+
+
+@triton.jit
+def _4bit_dequant_kernel(
+    packed_ptr, code_ptr, absmax_ptr, out_ptr, n, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
+    HALF: tl.constexpr = BLOCK // 2
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    pair = row[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF)
+    even, odd = 2 * pair, 2 * pair + 1
+    p = tl.load(packed_ptr + pair, mask=even < n, other=0).to(tl.int32)
+    absmax = tl.load(absmax_ptr + row, mask=row < n_blocks, other=0.0)[:, None]
+    out_even = tl.load(code_ptr + (p & 0xF)) * absmax
+    out_odd = tl.load(code_ptr + (p >> 4)) * absmax
+    tl.store(out_ptr + even, out_even.to(out_ptr.dtype.element_ty), mask=even < n)
+    tl.store(out_ptr + odd, out_odd.to(out_ptr.dtype.element_ty), mask=odd < n)
+
+
+def _grid(n_blocks: int, rows: int) -> tuple[int]:
+    return (max(1, triton.cdiv(n_blocks, rows)),)
+
+
+def _launch_int8(x, residual, block_size, stochastic, seed):
+    n = x.numel()
+    nb = num_blocks(n, block_size)
+    q = torch.empty(n, dtype=torch.int8, device=x.device)
+    absmax = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if n:
+        rows = _rows_per_program(block_size)
+        feedback = residual is not None
+        _int8_quant_kernel[_grid(nb, rows)](
+            x.reshape(-1).contiguous(), residual if feedback else x, q, absmax, n, nb, seed,
+            BLOCK=block_size, ROWS=rows, STOCHASTIC=stochastic, FEEDBACK=feedback, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return q, absmax
+
+
+def quantize_int8(
+    x: torch.Tensor, block_size: int, *, stochastic: bool = False, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_block_size(block_size)
+    check_dtype(x)
+    q, absmax = _launch_int8(x, None, block_size, stochastic, seed)
+    check_finite(absmax, x)
+    return q, absmax
+
+
+def quantize_int8_error_feedback(
+    g: torch.Tensor, residual: torch.Tensor, block_size: int, *, stochastic: bool = False, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_block_size(block_size)
+    check_input(g)  # a full pass first: the kernel writes the residual as it goes
+    if residual.dtype != torch.float32 or residual.numel() != g.numel() or not residual.is_contiguous():
+        raise ValueError(
+            f"residual must be a contiguous float32 tensor with {g.numel()} values, "
+            f"got {residual.dtype} with {residual.numel()}"
+        )
+    return _launch_int8(g, residual, block_size, stochastic, seed)
+
+
+def dequantize_int8(
+    q: torch.Tensor, absmax: torch.Tensor, block_size: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    check_block_size(block_size)
+    n = q.numel()
+    nb = num_blocks(n, block_size)
+    if absmax.numel() != nb:
+        raise ValueError(f"{n} values in blocks of {block_size} need {nb} scales, got {absmax.numel()}")
+    out = torch.empty(n, dtype=dtype, device=q.device)
+    if n:
+        rows = _rows_per_program(block_size)
+        _int8_dequant_kernel[_grid(nb, rows)](
+            q.reshape(-1).contiguous(), absmax.float().contiguous(), out, n, nb,
+            BLOCK=block_size, ROWS=rows, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return out
+
+
+def quantize_4bit(
+    x: torch.Tensor, block_size: int, *, code: str = "nf4", stochastic: bool = False, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_block_size(block_size)
+    check_dtype(x)
+    n = x.numel()
+    nb = num_blocks(n, block_size)
+    levels = code_book(code, x.device)
+    packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if n:
+        rows = _rows_per_program(block_size)
+        _4bit_quant_kernel[_grid(nb, rows)](
+            x.reshape(-1).contiguous(), levels, code_midpoints(levels), packed, absmax, n, nb, seed,
+            BLOCK=block_size, ROWS=rows, STOCHASTIC=stochastic, NUM_LEVELS=NUM_LEVELS_4BIT,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+    check_finite(absmax, x)
+    return packed, absmax
+
+
+def dequantize_4bit(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    numel: int,
+    block_size: int,
+    *,
+    code: str = "nf4",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    check_block_size(block_size)
+    nb = num_blocks(numel, block_size)
+    if absmax.numel() != nb or packed.numel() != (numel + 1) // 2:
+        raise ValueError(
+            f"{numel} values in blocks of {block_size} need {nb} scales and {(numel + 1) // 2} bytes, "
+            f"got {absmax.numel()} and {packed.numel()}"
+        )
+    out = torch.empty(numel, dtype=dtype, device=packed.device)
+    if numel:
+        rows = _rows_per_program(block_size)
+        _4bit_dequant_kernel[_grid(nb, rows)](
+            packed.reshape(-1).contiguous(), code_book(code, packed.device), absmax.float().contiguous(),
+            out, numel, nb, BLOCK=block_size, ROWS=rows, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return out
