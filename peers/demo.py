@@ -91,6 +91,7 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         optimizer=OptimizerConfig(lr=config.lr),
         batch=batch,
         coordinator_port=config.port,
+        dashboard_port=0,
     )
     num_peers = sum(len(row["peer_slowdowns"]) for row in layout) if layout else config.num_stages
     started = time.monotonic()
@@ -103,6 +104,8 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
                     swarm.spawn_stage(k, extra_args=("--slowdown", str(s)))
     try:
         console.print(f"[bold]swarm up[/] in {time.monotonic() - started:.1f} s; logs in {swarm.log_dir}")
+        if swarm.dashboard_url:
+            console.print(f"dashboard: {swarm.dashboard_url}  (open it in a browser while the demo runs)")
         console.print("join it from another terminal with:")
         console.print(f"  swarmtrain join --initial-peers {swarm.address}", soft_wrap=True, highlight=False)
         summary = _train(swarm, config, console, model_config, quiet)

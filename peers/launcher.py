@@ -41,6 +41,8 @@ class LocalSwarmConfig:
     """Address every peer listens on."""
     coordinator_port: int = 0
     """Coordinator's TCP port (0: any free port)."""
+    dashboard_port: int | None = None
+    """Serve the coordinator's dashboard on this port (0: any free port); None: no dashboard."""
     threads_per_peer: int = 1
     """torch threads of each stage peer."""
     log_dir: str | None = None
@@ -68,6 +70,7 @@ class LocalSwarm:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.address = ""
+        self.dashboard_url: str | None = None
         self._count = 0
 
     def __enter__(self) -> LocalSwarm:
@@ -145,9 +148,18 @@ class LocalSwarm:
                 "--host", cfg.host,
                 "--port", str(cfg.coordinator_port),
                 "--address-file", str(address_file),
+                *_optional("--dashboard-port", cfg.dashboard_port),
             ],
         )  # fmt: skip
         self.address = self._wait_file("coordinator", address_file)
+        self.dashboard_url = next(
+            (
+                line.split()[-1]
+                for line in self.log_tail("coordinator", 20).splitlines()
+                if line.startswith("dashboard:")
+            ),
+            None,
+        )
         num_stages = self.num_stages
         names = [
             self.spawn_stage(k, extra_args=tuple(cfg.stage_args.get(k, ())), wait=False)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.utils import get_dht_time
 
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError, SwarmError
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
@@ -98,6 +99,7 @@ class Trainer:
         self.step = 0
         self.trainer_id = self.node.peer_id[-8:]
         self._known_step: dict[str, int] = {}
+        self._published = None
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -109,6 +111,11 @@ class Trainer:
         """Close the streams, then the DHT node; safe to call twice."""
         if self._loop.is_closed():
             return
+        if getattr(self, "_published", None) is not None:  # let the last step's point reach the DHT
+            try:
+                self._published.result(timeout=5)
+            except Exception as e:
+                logger.debug("last trainer point not published: %r", e)
         try:
             self._run(self._aclose(), timeout=10)
         except Exception as e:
@@ -231,6 +238,26 @@ class Trainer:
             raise BadFrameError("stage 0 replied without a loss")
         return loss
 
+    def _publish(self, result: StepResult) -> None:
+        """Announce the step's loss and speed under `{run}.trainers` (fire and forget)."""
+        from swarmtrain.swarm.node import trainers_key
+        from swarmtrain.wire.metrics import TrainerPoint
+
+        point = TrainerPoint(
+            trainer=self.node.peer_id,
+            step=result.step,
+            loss=result.loss,
+            tokens_per_s=result.tokens_per_s,
+            t=get_dht_time(),
+        )
+        self._published = self.node.dht.store(
+            trainers_key(self.manifest.run_id),
+            point.to_dict(),
+            expiration_time=get_dht_time() + 60,
+            subkey=self.node.peer_id,
+            return_future=True,
+        )
+
     # training
 
     def train(
@@ -252,7 +279,9 @@ class Trainer:
                     microbatches.append(next(it))
                 except StopIteration:
                     return
-            yield self._run(_Step(self, microbatches).run())
+            result = self._run(_Step(self, microbatches).run())
+            self._publish(result)
+            yield result
 
 
 class _Step:

@@ -14,6 +14,7 @@ from swarmtrain.errors import SwarmError
 from swarmtrain.peers.dashboard.server import DashboardConfig, DashboardThread
 from swarmtrain.peers.dashboard.state import SwarmView, ViewConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
+from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.wire.records import PeerRecord, RunManifest
 from tests.conftest import TINY_GPT
 
@@ -143,6 +144,9 @@ class FakeNode:
     def peers(self, run_id: str) -> list[PeerRecord]:
         return list(self.records)
 
+    def trainer_points(self, run_id: str) -> list[dict]:
+        return []
+
 
 def test_routes_serve_page_plotly_json_events_and_metrics():
     node = FakeNode([stage_peer(A, 0, served=7, step=2), stage_peer(B, 1, served=7, step=2)])
@@ -199,6 +203,23 @@ def test_dashboard_follows_a_real_swarm(local_swarm):
         _, text = get(dash.url + "/metrics")
         assert 'swarmtrain_stage_peers{run="dash",stage="1"} 1.0' in text
         assert "swarmtrain_peer_served_microbatches{" in text and 'swarmtrain_step{run="dash"}' in text
+
+        # A trainer's steps reach the loss and tokens/s charts through the DHT.
+        with swarm.trainer() as trainer:
+            data = TokenBatches(stdlib_text(2**20), seq_len=TINY_GPT["seq_len"], microbatch_size=8, seed=0)
+            results = list(trainer.train(data, steps=2))
+            trainer_id = trainer.node.peer_id
+
+        def trainer_series() -> dict:
+            return swarm_json(dash)["series"]["trainers"].get(trainer_id, {})
+
+        # The dashboard samples each trainer's latest point (every poll_s), so it sees step 1 last.
+        wait_for(
+            lambda: trainer_series().get("step", [None])[-1] == 1,
+            30,
+            "the trainer's last step on the dashboard",
+        )
+        assert trainer_series()["loss"][-1] == pytest.approx(results[-1].loss)
 
         swarm.signal("stage1-2", signal.SIGKILL)
         ttl_s = 6.0  # StageConfig.ttl_s, the default `swarmtrain join` runs with

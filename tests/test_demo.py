@@ -38,6 +38,7 @@ def test_demo_trains_a_three_stage_swarm_and_reports_json():
     assert summary["final_loss"] < summary["initial_loss"] - 1.0  # and learns
     assert summary["tokens_per_s"] > 0 and summary["replays"] == 0
     assert "swarmtrain join --initial-peers /ip4/127.0.0.1/tcp/" in proc.stderr  # how to join it
+    assert "dashboard: http://127.0.0.1:" in proc.stderr  # and where to watch it
 
 
 def test_custom_model_example_trains():

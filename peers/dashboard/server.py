@@ -35,6 +35,7 @@ from swarmtrain.peers.dashboard.config import DashboardConfig
 from swarmtrain.peers.dashboard.page import PAGE
 from swarmtrain.peers.dashboard.state import SwarmView
 from swarmtrain.swarm import SwarmNode
+from swarmtrain.wire.metrics import TrainerPoint
 
 __all__ = ["DashboardConfig", "DashboardThread", "create_app"]
 
@@ -178,6 +179,7 @@ class DashboardThread:
         )
         self._server = uvicorn.Server(server_config)
         self._stopped = threading.Event()
+        self._last_trainer_step: dict[str, int] = {}
         self._serve_thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="dashboard-http", daemon=True
         )
@@ -198,7 +200,19 @@ class DashboardThread:
             logger.warning("dashboard: ignoring a malformed manifest of run %s: %s", self.run_id, e)
             manifest = None
         records = self.node.peers(self.run_id)
-        self.view.update(records, manifest, get_dht_time())
+        now = get_dht_time()
+        self.view.update(records, manifest, now)
+        for raw in self.node.trainer_points(self.run_id):
+            try:
+                point = TrainerPoint.from_dict(raw)
+            except ConfigError as e:
+                logger.debug("dashboard: ignoring a malformed trainer point: %s", e)
+                continue
+            if point.step > self._last_trainer_step.get(point.trainer, -1):
+                self._last_trainer_step[point.trainer] = point.step
+                self.view.add_trainer_point(
+                    point.step, point.loss, point.tokens_per_s, now=point.t, trainer=point.trainer
+                )
 
     def _poll(self) -> None:
         while not self._stopped.is_set():

@@ -50,6 +50,11 @@ def peers_key(run_id: str) -> str:
     return f"{run_id}.peers"
 
 
+def trainers_key(run_id: str) -> str:
+    """Subkey: trainer peer id; value: its latest TrainerPoint (what the dashboard charts)."""
+    return f"{run_id}.trainers"
+
+
 def check_peer_address(addr: str) -> str:
     """Return `addr` if it is a peer multiaddr another peer can dial; else raise ConfigError
     naming the part that is wrong (host, port or peer id) and the form expected."""
@@ -265,6 +270,13 @@ class SwarmNode:
             if record.peer_id == subkey:
                 records.append(record)
         return sorted(records, key=lambda r: (r.stage, r.peer_id))
+
+    def trainer_points(self, run_id: str) -> list[dict]:
+        """The latest point each live trainer published (raw dicts; the reader validates them)."""
+        found = self.dht.get(trainers_key(run_id), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return [item.value for item in found.value.values() if isinstance(item.value, dict)]
 
     async def peers_async(self, run_id: str) -> list[PeerRecord]:
         return self._parse_peers(await self.dht.get(peers_key(run_id), latest=True, return_future=True))
