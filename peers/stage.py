@@ -25,7 +25,8 @@ from hivemind.utils import get_dht_time
 
 import swarmtrain
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
-from swarmtrain.model import build_model, build_stage
+from swarmtrain.model import build_stage
+from swarmtrain.peers.planning import choose_stage, stage_memory_bytes
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.train.averaging import GradientInbox, group_sum
 from swarmtrain.train.stage_runner import StageRunner
@@ -79,52 +80,6 @@ class StageConfig:
             raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
         if self.stage is not None and self.stage < 0:
             raise ConfigError(f"--stage must be >= 0, got {self.stage}")
-
-
-def choose_stage(manifest: RunManifest, records: list[PeerRecord], fits: list[bool] | None = None) -> int:
-    """The stage that needs a peer most: the lowest measured compute per block among the
-    stages this peer fits (a stage with no peer first), the lowest index among ties."""
-    fits = fits or [True] * manifest.num_stages
-    flops = [0.0] * manifest.num_stages
-    counts = [0] * manifest.num_stages
-    for r in records:
-        if r.role == "stage" and 0 <= r.stage < manifest.num_stages and r.state != "draining":
-            counts[r.stage] += 1
-            flops[r.stage] += float(r.capacity.get("flops_per_s", 1.0))
-    candidates = [k for k in range(manifest.num_stages) if fits[k]]
-    if not candidates:
-        raise ConfigError("this peer's --max-memory fits no stage of the run: raise it, or train instead")
-
-    def need(k: int) -> tuple:
-        start, end = manifest.stage_span(k)
-        return (counts[k] > 0, flops[k] / (end - start), counts[k], k)
-
-    return min(candidates, key=need)
-
-
-def stage_memory_bytes(manifest: RunManifest) -> list[int]:
-    """Estimated memory one replica of each stage needs: weights, gradients, optimizer state,
-    and the activations of the microbatches it may hold in flight."""
-    from swarmtrain.model.costs import block_costs
-
-    costs = block_costs(
-        manifest.model,
-        manifest.model_config,
-        microbatch_size=manifest.batch.microbatch_size,
-        optimizer=manifest.optimizer.name,
-    )
-    model = build_model(manifest.model, manifest.model_config, device="meta")
-    tokens_per_sample = model.input_shape[0] if model.input_shape else 1  # (T,) for token models
-    tokens = tokens_per_sample * manifest.batch.microbatch_size * manifest.batch.max_in_flight
-    out = []
-    for k in range(manifest.num_stages):
-        start, end = manifest.stage_span(k)
-        blocks = costs[start:end]
-        out.append(
-            sum(c.state_bytes for c in blocks)
-            + int(tokens * sum(c.activation_bytes_per_token for c in blocks))
-        )
-    return out
 
 
 class StagePeer:
