@@ -214,6 +214,13 @@ def coordinator(
         int, typer.Option(help="Run seed (an integer): model initialisation and data order.")
     ] = 0,
     steps: Annotated[int, typer.Option(help="Optimizer steps the run aims for; 0 means until stopped.")] = 0,
+    schedule: Annotated[
+        str,
+        typer.Option(
+            help="readiness: peers run whatever work is ready and route each microbatch to the replica "
+            "expected to finish it first; static: round-robin replicas in a fixed 1F1B order (a baseline)."
+        ),
+    ] = "readiness",
     host: Host = "127.0.0.1",
     port: Port = 0,
     dashboard_port: Annotated[
@@ -259,6 +266,7 @@ def coordinator(
             ),
             seed=seed,
             max_steps=steps,
+            schedule=schedule,
             dashboard=None
             if dashboard_port is None
             else DashboardConfig(host=dashboard_host, port=dashboard_port),

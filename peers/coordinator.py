@@ -49,6 +49,8 @@ class CoordinatorConfig:
     """Run seed: model initialisation and the trainer's data order."""
     max_steps: int = 0
     """Steps the run aims for (0: until stopped)."""
+    schedule: str = "readiness"
+    """How peers order work and route microbatches: 'readiness' or 'static' (the baseline)."""
     republish_s: float = 10.0
     """Seconds between republications of the manifest."""
     dashboard: DashboardConfig | None = None
@@ -73,6 +75,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         batch=config.batch,
         seed=config.seed,
         max_steps=config.max_steps,
+        schedule=config.schedule,
     )
 
 

@@ -37,6 +37,8 @@ class LocalSwarmConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     seed: int = 0
+    schedule: str = "readiness"
+    """'readiness' or 'static' (the run manifest's schedule)."""
     host: str = "127.0.0.1"
     """Address every peer listens on."""
     coordinator_port: int = 0
@@ -145,6 +147,7 @@ class LocalSwarm:
                 "--microbatches-per-step", str(cfg.batch.microbatches_per_step),
                 "--max-in-flight", str(cfg.batch.max_in_flight),
                 "--seed", str(cfg.seed),
+                "--schedule", cfg.schedule,
                 "--host", cfg.host,
                 "--port", str(cfg.coordinator_port),
                 "--address-file", str(address_file),

@@ -1,8 +1,7 @@
-"""Training metrics as the dashboard and (later) the DHT carry them.
+"""Training metrics as the DHT carries them.
 
-`TrainerPoint` is what a trainer reports after an optimizer step. Nothing publishes it to
-the DHT yet; the dashboard's `SwarmView.add_trainer_point()` takes it, so a trainer that
-announces `{run}.metrics` later only has to decode and hand the points over.
+`TrainerPoint` is what a trainer reports after an optimizer step, under `{run}.trainers`
+(subkey: the trainer's peer id); the dashboard's `SwarmView.add_trainer_point()` takes it.
 """
 
 from __future__ import annotations
@@ -29,6 +28,14 @@ class TrainerPoint:
     """Tokens the step consumed divided by its wall time."""
     t: float
     """Wall-clock time (time.time(), the DHT's clock) the step completed."""
+    completed: int = 0
+    """Microbatches whose gradients went into a step, since the trainer started."""
+    replayed: int = 0
+    """Microbatch replays after a failure (timeouts, dead or draining peers), since the trainer started."""
+    dropped: int = 0
+    """Microbatches left out of their step, each with a cause (see StepResult.dropped_causes)."""
+    window: int = 0
+    """Microbatches the trainer keeps in flight at once (it adapts to the swarm's throughput)."""
 
     def __post_init__(self):
         if not isinstance(self.trainer, str) or not self.trainer:
@@ -40,6 +47,10 @@ class TrainerPoint:
         object.__setattr__(self, "t", float(self.t))
         if not math.isfinite(self.tokens_per_s) or self.tokens_per_s < 0:
             raise ConfigError(f"trainer point: tokens_per_s must be finite and >= 0, got {self.tokens_per_s}")
+        for name in ("completed", "replayed", "dropped", "window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"trainer point: {name} must be an integer >= 0, got {value!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,10 +14,14 @@ from typing import Any
 
 from swarmtrain.errors import ConfigError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PEER_ROLES = ("coordinator", "stage", "trainer")
+SCHEDULES = ("readiness", "static")
+"""How stage peers order their work and route microbatches (see swarmtrain/schedule)."""
 PEER_STATES = ("joining", "serving", "draining")
+MAX_BANNED_LISTED = 16
+"""Banned peers a peer record lists at most (a record stays small whatever a peer sees)."""
 
 
 def check_run_id(run_id: str) -> str:
@@ -27,6 +31,11 @@ def check_run_id(run_id: str) -> str:
             f"invalid run id {run_id!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
         )
     return run_id
+
+
+def _check_count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"peer record: {name} must be an integer >= 0, got {value!r}")
 
 
 def _from_dict(cls, data: Any, what: str):
@@ -147,6 +156,10 @@ class RunManifest:
     """Run seed: block i initialised from it is bit-identical on every peer."""
     max_steps: int = 0
     """Steps the run aims for (0: until stopped)."""
+    schedule: str = "readiness"
+    """'readiness': each peer runs whatever work is ready (backward first, then forward in 1F1B
+    order) and each hop goes to the replica expected to finish soonest. 'static': round-robin
+    replicas and a fixed 1F1B order, the baseline readiness is measured against."""
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self):
@@ -170,6 +183,10 @@ class RunManifest:
             object.__setattr__(self, "optimizer", OptimizerConfig.from_dict(self.optimizer))
         if isinstance(self.batch, dict):
             object.__setattr__(self, "batch", BatchConfig.from_dict(self.batch))
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"unknown schedule {self.schedule!r}: choose {' or '.join(map(repr, SCHEDULES))} (--schedule)"
+            )
         if self.wire_version != WIRE_VERSION:
             raise ConfigError(
                 f"run {self.run_id!r} speaks wire version {self.wire_version}, this peer speaks {WIRE_VERSION}: "
@@ -201,6 +218,7 @@ class RunManifest:
             "batch": self.batch.to_dict(),
             "seed": self.seed,
             "max_steps": self.max_steps,
+            "schedule": self.schedule,
             "wire_version": self.wire_version,
         }
 
@@ -239,6 +257,31 @@ class PeerRecord:
     """What the peer's probe measured: flops_per_s, memory_bytes, is_spot, device_name (may be empty)."""
     since: float = 0.0
     """DHT time the peer started serving its stage; the earliest serving peer is the stage's primary."""
+    # readiness (what routers weigh) and counters (what the dashboard shows), stage peers only
+    queue_depth: int = 0
+    """Compute tasks (forward and backward) waiting or running on the peer."""
+    backlog_s: float = 0.0
+    """Expected seconds of compute queued on the peer: how long new work would wait."""
+    service_s: float = 0.0
+    """Moving average of the compute seconds one microbatch costs the peer (forward + backward)."""
+    in_flight_budget: int = 0
+    """Microbatches whose activations the peer may hold at once (from its free memory); 0: unknown."""
+    holding: int = 0
+    """Microbatches whose activations the peer holds now, waiting for their backward."""
+    busy_s: float = 0.0
+    """Seconds of compute since the peer started (its utilization is the rate this grows at)."""
+    replayed: int = 0
+    """Microbatches the peer re-sent to another replica downstream after a failure."""
+    failed: int = 0
+    """Requests the peer answered with an error."""
+    banned: tuple[str, ...] = ()
+    """Peers this peer bans now (timeouts, errors, bad frames), at most MAX_BANNED_LISTED."""
+    bytes_sent: int = 0
+    """Tensor bytes sent, as they went on the wire (after compression)."""
+    bytes_received: int = 0
+    """Tensor bytes received, as they came off the wire."""
+    raw_bytes_sent: int = 0
+    """Tensor bytes sent, before compression (bytes_sent / raw_bytes_sent is the compression ratio)."""
 
     def __post_init__(self):
         if self.role not in PEER_ROLES:
@@ -247,9 +290,24 @@ class PeerRecord:
             raise ConfigError(f"peer record: unknown state {self.state!r}")
         if not isinstance(self.stage, int) or (self.role == "stage" and self.stage < 0):
             raise ConfigError(f"peer record: bad stage {self.stage!r}")
+        for name in ("queue_depth", "in_flight_budget", "holding", "replayed", "failed"):
+            _check_count(name, getattr(self, name))
+        for name in ("bytes_sent", "bytes_received", "raw_bytes_sent"):
+            _check_count(name, getattr(self, name))
+        for name in ("backlog_s", "service_s", "busy_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1e12:
+                raise ConfigError(f"peer record: {name} must be a number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        banned = self.banned
+        if not isinstance(banned, (list, tuple)) or len(banned) > MAX_BANNED_LISTED:
+            raise ConfigError(f"peer record: banned must list at most {MAX_BANNED_LISTED} peer ids")
+        if not all(isinstance(b, str) and 0 < len(b) <= 128 for b in banned):
+            raise ConfigError("peer record: banned must hold peer ids")
+        object.__setattr__(self, "banned", tuple(banned))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {"banned": list(self.banned)}
 
     @classmethod
     def from_dict(cls, data: Any) -> PeerRecord:
