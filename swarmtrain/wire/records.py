@@ -268,6 +268,8 @@ class PeerRecord:
     """Microbatches whose activations the peer may hold at once (from its free memory); 0: unknown."""
     holding: int = 0
     """Microbatches whose activations the peer holds now, waiting for their backward."""
+    memory_used_bytes: int = 0
+    """Memory the peer's compute uses now (CUDA: allocated by torch; CPU: the process's resident set)."""
     busy_s: float = 0.0
     """Seconds of compute since the peer started (its utilization is the rate this grows at)."""
     replayed: int = 0
@@ -292,7 +294,7 @@ class PeerRecord:
             raise ConfigError(f"peer record: bad stage {self.stage!r}")
         for name in ("queue_depth", "in_flight_budget", "holding", "replayed", "failed"):
             _check_count(name, getattr(self, name))
-        for name in ("bytes_sent", "bytes_received", "raw_bytes_sent"):
+        for name in ("bytes_sent", "bytes_received", "raw_bytes_sent", "memory_used_bytes"):
             _check_count(name, getattr(self, name))
         for name in ("backlog_s", "service_s", "busy_s"):
             value = getattr(self, name)
