@@ -1,0 +1,109 @@
+"""Every microbatch accounted for, and each stage's gradient counted exactly once (pure).
+
+`StepLedger` follows one step's microbatches: each ends `completed` (its loss came back) or
+`dropped` with a cause; replays are counted by cause on the way. A step may commit only
+when nothing is unaccounted for.
+
+Replicas of a stage add a microbatch's parameter gradient to their buffer on its first
+("fresh") pass only. A replayed microbatch (sent again after a failure, possibly to another
+replica) may already be in some replica's buffer, so a replica keeps a replay's gradient
+apart ("held"). At the step boundary every replica reports both sets and
+`plan_stage_commit` decides, per stage: each completed microbatch counts once, from the
+buffer that has it, else from one held copy; held copies nobody needs are discarded; a
+microbatch no live replica has is `missing` and must be replayed before the step; a stage
+whose buffers cannot be made exact (a microbatch in two buffers, or a buffer holding one
+that did not complete) must discard the step's gradients and replay it whole.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaReport:
+    """One replica's answer to 'prepare': where its gradients of the step come from."""
+
+    peer: str
+    fresh: frozenset[str]
+    """Microbatches whose gradients are in its buffer."""
+    held: frozenset[str]
+    """Replayed microbatches whose gradients it keeps apart."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCommitPlan:
+    take: dict[str, tuple[str, ...]]
+    """Per replica: the held microbatches to fold into its buffer (the others are discarded)."""
+    fresh: dict[str, tuple[str, ...]]
+    """Per replica: its buffer's microbatches, as reported (it must still hold exactly these)."""
+    missing: tuple[str, ...]
+    """Completed microbatches no replica holds: replay them before committing."""
+    conflicts: tuple[str, ...]
+    """Microbatches that make the buffers inexact: the stage must discard the step's gradients."""
+
+    @property
+    def ready(self) -> bool:
+        return not self.missing and not self.conflicts
+
+
+def plan_stage_commit(completed: set[str], reports: list[ReplicaReport]) -> StageCommitPlan:
+    """Decide where each of `completed` comes from in one stage; see the module docstring."""
+    owner: dict[str, str] = {}
+    conflicts = set()
+    for r in sorted(reports, key=lambda r: r.peer):
+        for mb in r.fresh:
+            if mb in owner or mb not in completed:
+                conflicts.add(mb)
+            owner.setdefault(mb, r.peer)
+    take: dict[str, list[str]] = {r.peer: [] for r in reports}
+    for r in sorted(reports, key=lambda r: r.peer):
+        for mb in sorted(r.held):
+            if mb in completed and mb not in owner:
+                owner[mb] = r.peer
+                take[r.peer].append(mb)
+    missing = sorted(completed - set(owner))
+    return StageCommitPlan(
+        take={p: tuple(v) for p, v in take.items()},
+        fresh={r.peer: tuple(sorted(r.fresh)) for r in reports},
+        missing=tuple(missing),
+        conflicts=tuple(sorted(conflicts)),
+    )
+
+
+@dataclass(kw_only=True)
+class StepLedger:
+    """One step's microbatches: issued, completed (with loss and route), replayed, dropped."""
+
+    issued: tuple[str, ...]
+    losses: dict[str, float] = field(default_factory=dict)
+    routes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """The peers (one per stage) each completed microbatch went through last."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Dropped microbatch -> cause."""
+    replays: Counter = field(default_factory=Counter)
+    """Replays by cause (a microbatch may be replayed several times)."""
+
+    def complete(self, mb: str, loss: float, route: tuple[str, ...]) -> None:
+        self.losses[mb] = loss
+        self.routes[mb] = route
+
+    def replay(self, cause: str, count: int = 1) -> None:
+        if count:
+            self.replays[cause] += count
+
+    def drop(self, mb: str, cause: str) -> None:
+        self.dropped[mb] = cause
+
+    @property
+    def completed(self) -> set[str]:
+        return set(self.losses)
+
+    def unaccounted(self) -> list[str]:
+        """Issued microbatches that neither completed nor were dropped (must be empty to commit)."""
+        return [mb for mb in self.issued if mb not in self.losses and mb not in self.dropped]
+
+    def routed_to(self, stage: int) -> set[str]:
+        """Peers of `stage` that completed microbatches went through."""
+        return {r[stage] for r in self.routes.values() if len(r) > stage}

@@ -1,0 +1,199 @@
+"""Where a microbatch goes next: the replica choice of one hop, and bans (pure).
+
+Each hop (the trainer into stage 0, stage k into stage k+1) picks one replica of the next
+stage. `ReadinessRouter` picks the replica with the lowest expected completion time:
+
+    backlog the replica reported, less what it has worked off since
+    + (microbatches we sent it since that report + 1) x its service time per microbatch
+    + bytes to send / bandwidth to it
+
+from the readiness every reply piggybacks, refreshed from the DHT between replies. A replica
+we have sent nothing for a while is probed with the next microbatch, so a peer that was slow
+and recovered gets its share back. `RoundRobinRouter` is the static
+baseline: replica `order mod R` in peer-id order.
+
+Failures ban a peer with capped exponential backoff (`Bans`; hivemind's Blacklist without
+the cap, Petals' retry -> ban -> backoff). When every replica of a stage is banned the
+router answers None and the caller waits for a ban to end or a new replica to appear.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class BanConfig:
+    base_s: float = 1.0
+    """First ban after a failure."""
+    factor: float = 2.0
+    """Each further failure in a row multiplies the ban by this."""
+    max_s: float = 30.0
+    """Longest ban."""
+
+    def __post_init__(self):
+        if not (0 < self.base_s <= self.max_s) or self.factor < 1:
+            raise ValueError(f"need 0 < base_s <= max_s and factor >= 1, got {self}")
+
+
+class Bans:
+    """Peers banned after failures, each until a time; a success clears a peer's streak."""
+
+    def __init__(self, config: BanConfig | None = None):
+        self.config = config or BanConfig()
+        self._until: dict[str, float] = {}
+        self._streak: dict[str, int] = {}
+
+    def fail(self, peer: str, now: float) -> float:
+        """Ban `peer` (longer for each failure in a row); returns the ban's length in seconds.
+
+        A failure while already banned does not lengthen the ban (the calls that failed were
+        all made before it), as in hivemind's Blacklist.
+        """
+        if self.is_banned(peer, now):
+            return self._until[peer] - now
+        streak = self._streak.get(peer, 0)
+        ban = min(self.config.max_s, self.config.base_s * self.config.factor**streak)
+        self._until[peer] = now + ban
+        self._streak[peer] = streak + 1
+        return ban
+
+    def succeed(self, peer: str) -> None:
+        self._streak.pop(peer, None)
+        self._until.pop(peer, None)
+
+    def is_banned(self, peer: str, now: float) -> bool:
+        return self._until.get(peer, -math.inf) > now
+
+    def banned(self, now: float) -> dict[str, float]:
+        """Banned peers and when their bans end."""
+        for peer in [p for p, t in self._until.items() if t <= now]:
+            del self._until[peer]
+        return dict(self._until)
+
+    def next_unban(self, peers: list[str], now: float) -> float | None:
+        """Seconds until the first of `peers` is allowed again (None if none is banned)."""
+        waits = [self._until[p] - now for p in peers if self.is_banned(p, now)]
+        return min(waits) if waits else None
+
+
+@dataclass(kw_only=True)
+class ReplicaView:
+    """What one router knows about one replica."""
+
+    backlog_s: float = 0.0
+    """Seconds of compute queued at the replica when it last reported."""
+    service_s: float | None = None
+    """Its compute seconds per microbatch (None: never reported)."""
+    reported_at: float = -math.inf
+    sent_since_report: int = 0
+    last_sent: float = -math.inf
+    bandwidth_bytes_per_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    stale_after_s: float = 3.0
+    """A replica we have sent nothing for this long gets the next microbatch as a probe: its
+    service time is old news, and a peer that was slow and recovered is seen again."""
+    bans: BanConfig = field(default_factory=BanConfig)
+
+
+class ReadinessRouter:
+    """Lowest expected completion time among the replicas that are not banned."""
+
+    def __init__(self, config: RouterConfig | None = None):
+        self.config = config or RouterConfig()
+        self.bans = Bans(self.config.bans)
+        self.views: dict[str, ReplicaView] = {}
+        self.outstanding: dict[str, int] = {}
+
+    def view(self, peer: str) -> ReplicaView:
+        return self.views.setdefault(peer, ReplicaView())
+
+    def report(
+        self, peer: str, *, backlog_s: float, service_s: float, now: float, from_reply: bool = True
+    ) -> None:
+        """Take a replica's readiness: from a reply (fresh), or from its DHT record (may be older)."""
+        v = self.view(peer)
+        if not from_reply and now - v.reported_at < self.config.stale_after_s:
+            return  # a reply's readiness beats the DHT's heartbeat
+        v.backlog_s, v.reported_at = max(0.0, backlog_s), now
+        if service_s > 0:
+            v.service_s = service_s
+        if from_reply:
+            v.sent_since_report = 0
+
+    def expected_s(self, peer: str, now: float, nbytes: int = 0, default_service_s: float = 0.0) -> float:
+        """Expected seconds until `peer` would finish a microbatch sent now."""
+        v = self.view(peer)
+        service = v.service_s if v.service_s is not None else default_service_s
+        backlog = max(0.0, v.backlog_s - max(0.0, now - v.reported_at)) if v.reported_at > -math.inf else 0.0
+        transfer = nbytes / v.bandwidth_bytes_per_s if v.bandwidth_bytes_per_s else 0.0
+        return backlog + (v.sent_since_report + 1) * service + transfer
+
+    def choose(
+        self, candidates: list[str], now: float, *, nbytes: int = 0, order: int = 0, prefer: str | None = None
+    ) -> str | None:
+        """The replica to send a microbatch to, or None when every candidate is banned.
+
+        `prefer` (a replica that already holds this microbatch's work) wins while it is allowed.
+        """
+        allowed = sorted(p for p in set(candidates) if not self.bans.is_banned(p, now))
+        if not allowed:
+            return None
+        if prefer in allowed:
+            return prefer
+        known = [self.views[p].service_s for p in allowed if self.view(p).service_s is not None]
+        default = sorted(known)[len(known) // 2] if known else 0.0
+        best = min(allowed, key=lambda p: (self.expected_s(p, now, nbytes, default), p))
+        # Probe a replica we have sent nothing for a while: its service time is old news, and a
+        # peer that was slow and recovered is seen again (at the cost of one microbatch).
+        idle = [
+            p
+            for p in allowed
+            if now - self.view(p).last_sent > self.config.stale_after_s and not self.outstanding.get(p)
+        ]
+        if idle and best not in idle:
+            return min(idle, key=lambda p: (self.view(p).last_sent, p))
+        return best
+
+    def sent(self, peer: str, now: float) -> None:
+        v = self.view(peer)
+        v.sent_since_report += 1
+        v.last_sent = now
+        self.outstanding[peer] = self.outstanding.get(peer, 0) + 1
+
+    def done(self, peer: str, now: float, *, ok: bool) -> float | None:
+        """A call to `peer` ended; on failure the peer is banned (returns the ban's seconds)."""
+        self.outstanding[peer] = max(0, self.outstanding.get(peer, 0) - 1)
+        if ok:
+            self.bans.succeed(peer)
+            return None
+        return self.bans.fail(peer, now)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop what we know of replicas that are gone from the swarm."""
+        for peer in [p for p in self.views if p not in keep and not self.outstanding.get(p)]:
+            del self.views[peer]
+
+
+class RoundRobinRouter(ReadinessRouter):
+    """The static baseline: microbatch `order` goes to replica `order mod R` (peer-id order);
+    banned replicas are skipped, and `prefer` still wins (replays stay where their work is)."""
+
+    def choose(
+        self, candidates: list[str], now: float, *, nbytes: int = 0, order: int = 0, prefer: str | None = None
+    ) -> str | None:
+        ranked = sorted(set(candidates))
+        allowed = [p for p in ranked if not self.bans.is_banned(p, now)]
+        if not allowed:
+            return None
+        if prefer in allowed:
+            return prefer
+        for i in range(len(ranked)):
+            peer = ranked[(order + i) % len(ranked)]
+            if peer in allowed:
+                return peer
+        return None

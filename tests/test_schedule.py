@@ -1,0 +1,278 @@
+"""The readiness policies, pure: ready queues, routing and bans, the in-flight window, the
+commit accounting, and the compute runtime that drives a queue."""
+
+import asyncio
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swarmtrain.schedule import (
+    BanConfig,
+    Bans,
+    InFlightWindow,
+    ReadinessQueue,
+    ReadinessRouter,
+    ReplicaReport,
+    RoundRobinRouter,
+    StaticQueue,
+    StepLedger,
+    Task,
+    WindowConfig,
+    in_flight_budget,
+    one_f_one_b,
+    plan_stage_commit,
+)
+from swarmtrain.schedule.runtime import ComputeScheduler
+
+
+def task(kind, order, step=0, seq=0):
+    return Task(kind=kind, mb_id=f"t:{step}:{order}", step=step, order=order, seq=seq)
+
+
+# ready queues
+
+
+def test_readiness_queue_runs_backward_first_then_forward_in_hint_order():
+    q = ReadinessQueue(budget=8)
+    for i, t in enumerate([task("forward", 3), task("forward", 1), task("backward", 2), task("forward", 2)]):
+        q.push(Task(**{**t.__dict__, "seq": i}))
+    assert [(t.kind, t.order) for t in iter(lambda: q.pop(holding=0), None)] == [
+        ("backward", 2),
+        ("forward", 1),
+        ("forward", 2),
+        ("forward", 3),
+    ]
+
+
+def test_readiness_queue_holds_forwards_at_the_budget_but_not_backwards_or_loss_tasks():
+    q = ReadinessQueue(budget=2)
+    q.push(task("forward", 0))
+    assert q.pop(holding=2) is None  # full: the forward waits
+    q.push(task("loss", 5))
+    assert q.pop(holding=2).kind == "loss"  # holds nothing afterwards: may run
+    q.push(task("backward", 9))
+    assert q.pop(holding=2).kind == "backward"
+    assert q.pop(holding=1).order == 0
+
+
+def test_in_flight_budget_from_free_memory():
+    assert in_flight_budget(10 * 2**20, 2**20) == 8  # 20% kept spare
+    assert in_flight_budget(2**10, 2**20) == 1  # always one
+    assert in_flight_budget(2**40, 2**20, cap=16) == 16
+
+
+def test_one_f_one_b_order():
+    assert one_f_one_b([0, 1, 2, 3], warmup=2) == [
+        ("forward", 0),
+        ("forward", 1),
+        ("backward", 0),
+        ("forward", 2),
+        ("backward", 1),
+        ("forward", 3),
+        ("backward", 2),
+        ("backward", 3),
+    ]
+    assert one_f_one_b([1, 3], warmup=4, fused=True) == [("loss", 1), ("loss", 3)]
+
+
+@given(st.lists(st.integers(0, 50), unique=True, min_size=1, max_size=12), st.integers(1, 6))
+def test_one_f_one_b_runs_each_microbatch_forward_then_backward(orders, warmup):
+    seq = one_f_one_b(orders, warmup)
+    assert sorted(seq) == sorted([("forward", n) for n in orders] + [("backward", n) for n in orders])
+    for n in orders:
+        assert seq.index(("forward", n)) < seq.index(("backward", n))
+    # never more forwards outstanding than the warmup allows
+    outstanding = 0
+    for kind, _ in seq:
+        outstanding += 1 if kind == "forward" else -1
+        assert outstanding <= max(warmup, 1)
+
+
+def test_static_queue_waits_for_the_fixed_order_then_gives_up_after_the_grace():
+    q = StaticQueue(grace_s=1.0)
+    q.expect(0, [0, 1], warmup=1, fused=False)  # F0 B0 F1 B1
+    q.push(task("forward", 1, seq=1))
+    assert q.pop(holding=0, now=0.0) is None  # F0 first, even though F1 is ready
+    q.push(task("forward", 0, seq=2))
+    assert q.pop(0, now=0.1).order == 0
+    assert q.pop(0, now=0.2) is None  # B0 is next
+    assert q.pop(0, now=1.3).order == 1  # B0 never came: the order is abandoned
+
+
+# routing and bans
+
+
+def test_bans_back_off_exponentially_up_to_a_cap_and_clear_on_success():
+    bans = Bans(BanConfig(base_s=1, factor=2, max_s=5))
+    assert bans.fail("a", now=0) == 1
+    assert bans.fail("a", now=0.5) == pytest.approx(0.5)  # already banned: not lengthened
+    assert bans.fail("a", now=2) == 2
+    assert bans.fail("a", now=10) == 4
+    assert bans.fail("a", now=20) == 5
+    assert bans.is_banned("a", 24.9) and not bans.is_banned("a", 25.1)
+    bans.succeed("a")
+    assert bans.fail("a", now=30) == 1
+
+
+def test_router_prefers_the_replica_expected_to_finish_first():
+    r = ReadinessRouter()
+    r.report("fast", backlog_s=0.2, service_s=0.1, now=0)
+    r.report("slow", backlog_s=0.0, service_s=0.4, now=0)
+    assert r.expected_s("fast", 0) == pytest.approx(0.3)
+    assert r.expected_s("slow", 0) == pytest.approx(0.4)
+    assert r.choose(["fast", "slow"], now=0) == "fast"
+    assert r.expected_s("fast", 0.15) == pytest.approx(0.15)  # its backlog drains as time passes
+    r.report("fast", backlog_s=0.5, service_s=0.1, now=0.2)
+    assert r.choose(["fast", "slow"], now=0.2) == "slow"
+
+
+def test_router_spreads_work_in_proportion_to_speed():
+    r = ReadinessRouter()
+    r.report("a", backlog_s=0, service_s=0.1, now=0)
+    r.report("b", backlog_s=0, service_s=0.4, now=0)
+    picks = []
+    for _ in range(10):
+        peer = r.choose(["a", "b"], now=0)
+        r.sent(peer, now=0)
+        picks.append(peer)
+    assert picks.count("a") == 8 and picks.count("b") == 2  # 4x faster, about 4x the work
+
+
+def test_router_skips_banned_replicas_and_answers_none_when_all_are():
+    r = ReadinessRouter()
+    r.report("a", backlog_s=0, service_s=0.1, now=0)
+    r.report("b", backlog_s=0, service_s=0.5, now=0)
+    r.sent("a", 0)
+    assert r.done("a", 0, ok=False) == 1.0
+    assert r.choose(["a", "b"], now=0.5) == "b"
+    r.sent("b", 0.5)
+    r.done("b", 0.5, ok=False)
+    assert r.choose(["a", "b"], now=0.6) is None
+    assert r.bans.next_unban(["a", "b"], 0.6) == pytest.approx(0.4)
+    assert r.choose(["a", "b"], now=1.1) == "a"
+
+
+def test_router_probes_a_replica_it_has_not_used_for_a_while():
+    r = ReadinessRouter()
+    r.report("a", backlog_s=0, service_s=0.1, now=0)
+    r.report("b", backlog_s=0, service_s=1.0, now=0)  # it was slow
+    r.sent("b", now=0)
+    r.done("b", now=0, ok=True)
+    for t in (0.5, 1.0, 2.0):
+        peer = r.choose(["a", "b"], now=t)
+        assert peer == "a"
+        r.sent(peer, t)
+        r.done(peer, t, ok=True)
+    assert r.choose(["a", "b"], now=3.5) == "b"  # nothing sent to b for over 3 s: probe it
+
+
+def test_router_keeps_a_preferred_replica_while_it_is_allowed():
+    r = ReadinessRouter()
+    r.report("a", backlog_s=0, service_s=0.1, now=0)
+    r.report("b", backlog_s=9, service_s=1.0, now=0)
+    assert r.choose(["a", "b"], now=0, prefer="b") == "b"
+    r.sent("b", 0)
+    r.done("b", 0, ok=False)
+    assert r.choose(["a", "b"], now=0, prefer="b") == "a"
+
+
+def test_round_robin_router_is_static():
+    r = RoundRobinRouter()
+    assert [r.choose(["c", "a", "b"], now=0, order=n) for n in range(4)] == ["a", "b", "c", "a"]
+    r.sent("b", 0)
+    r.done("b", 0, ok=False)
+    assert r.choose(["c", "a", "b"], now=0, order=1) == "c"
+
+
+# the in-flight window
+
+
+def test_window_grows_while_throughput_grows_and_halves_on_timeouts():
+    w = InFlightWindow(WindowConfig(initial=2, max_size=8, probe_every=100))
+    assert w.on_step(100) == 3  # first step: try one more
+    assert w.on_step(150) == 4  # it paid: again
+    assert w.on_step(200) == 5
+    assert w.on_step(201) == 4  # no gain: undo and hold
+    assert w.on_step(200) == 4
+    assert w.on_step(210, timeouts=1) == 2
+
+
+def test_window_probes_upward_again_after_a_steady_spell():
+    w = InFlightWindow(WindowConfig(initial=2, max_size=8, probe_every=3))
+    w.on_step(100)  # -> 3
+    w.on_step(100)  # no gain -> 2
+    sizes = [w.on_step(100) for _ in range(3)]
+    assert sizes == [2, 2, 3]
+
+
+# accounting
+
+
+def test_commit_plan_counts_each_microbatch_once():
+    completed = {"m0", "m1", "m2", "m3"}
+    plan = plan_stage_commit(
+        completed,
+        [
+            ReplicaReport(peer="A", fresh=frozenset({"m0", "m1"}), held=frozenset({"m2"})),
+            ReplicaReport(peer="B", fresh=frozenset({"m2"}), held=frozenset({"m1", "m3"})),
+        ],
+    )
+    assert plan.ready
+    assert plan.take == {"A": (), "B": ("m3",)}  # m2 is in B's buffer, m1 in A's: held copies dropped
+
+
+def test_commit_plan_finds_missing_and_conflicting_microbatches():
+    plan = plan_stage_commit(
+        {"m0", "m1"},
+        [
+            ReplicaReport(peer="A", fresh=frozenset({"m0", "x9"}), held=frozenset()),
+            ReplicaReport(peer="B", fresh=frozenset({"m0"}), held=frozenset()),
+        ],
+    )
+    assert plan.missing == ("m1",)
+    assert plan.conflicts == ("m0", "x9")  # in two buffers; in a buffer without completing
+    assert not plan.ready
+
+
+def test_ledger_accounts_for_every_microbatch():
+    ledger = StepLedger(issued=("a", "b", "c"))
+    ledger.complete("a", 2.0, ("p0", "p1"))
+    ledger.replay("timeout")
+    ledger.drop("b", "non-finite loss")
+    assert ledger.unaccounted() == ["c"]
+    ledger.complete("c", 1.0, ("p0", "p2"))
+    assert ledger.unaccounted() == [] and ledger.routed_to(1) == {"p1", "p2"}
+
+
+# the runtime
+
+
+def test_scheduler_runs_tasks_in_policy_order_and_reports_readiness():
+    gate = threading.Event()
+    order = []
+
+    async def main():
+        sched = ComputeScheduler(ReadinessQueue(budget=8), holding=lambda: 0, fused_last=False)
+        blocker = asyncio.ensure_future(sched.run(task("forward", 0), gate.wait))
+        while sched.readiness()["queue_depth"] < 1:
+            await asyncio.sleep(0.001)
+        jobs = [
+            asyncio.ensure_future(sched.run(task(kind, n), order.append, (kind, n)))
+            for kind, n in [("forward", 2), ("forward", 1), ("backward", 5)]
+        ]
+        while sched.readiness()["queue_depth"] < 4:
+            await asyncio.sleep(0.001)
+        gate.set()
+        await asyncio.gather(blocker, *jobs)
+        assert await sched.call(lambda: "admin") == "admin"
+        with pytest.raises(ZeroDivisionError):
+            await sched.run(task("backward", 7), lambda: 1 / 0)
+        ready = sched.readiness()
+        sched.close()
+        return ready, sched.busy_s
+
+    ready, busy = asyncio.run(main())
+    assert order == [("backward", 5), ("forward", 1), ("forward", 2)]
+    assert ready["queue_depth"] == 0 and ready["service_s"] > 0 and busy > 0
