@@ -359,6 +359,22 @@ def join(
             "(by >10%, 3 checks in a row); 0 never moves.",
         ),
     ] = 10.0,
+    slowdown_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="While this file exists, compute runs as many times slower as the number in it says "
+            "(emulates a GPU that throttles for a while, then recovers).",
+            show_default="not watched",
+        ),
+    ] = None,
+    inject_fault: Annotated[
+        str | None,
+        typer.Option(
+            hidden=True,
+            help="Testing: ACTION:KIND:N kills (kill) or terminates (term) this peer as its N-th "
+            "forward/backward/loss task starts.",
+        ),
+    ] = None,
     verbose: Verbose = False,
 ) -> None:
     """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
@@ -382,6 +398,8 @@ def join(
             rebalance_s=rebalance_every,
             max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
             is_spot=spot,
+            slowdown_file=None if slowdown_file is None else str(slowdown_file),
+            fault=inject_fault,
         )
         peer = StagePeer(config)
         if ready_file is not None:

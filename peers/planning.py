@@ -175,11 +175,9 @@ def choose_stage(manifest: RunManifest, records: list[PeerRecord], fits: list[bo
     return min(candidates, key=need)
 
 
-def stage_memory_bytes(manifest: RunManifest) -> list[int]:
-    """Estimated memory one replica of each stage needs: weights, gradients, optimizer state,
-    and the activations of the microbatches it may hold in flight."""
-    from swarmtrain.model.costs import block_costs
-
+def stage_memory_figures(manifest: RunManifest) -> list[tuple[int, int]]:
+    """Per stage: (bytes of weights, gradients and optimizer state; activation bytes one
+    microbatch holds from its forward to its backward)."""
     costs = block_costs(
         manifest.model,
         manifest.model_config,
@@ -188,13 +186,21 @@ def stage_memory_bytes(manifest: RunManifest) -> list[int]:
     )
     model = build_model(manifest.model, manifest.model_config, device="meta")
     tokens_per_sample = model.input_shape[0] if model.input_shape else 1  # (T,) for token models
-    tokens = tokens_per_sample * manifest.batch.microbatch_size * manifest.batch.max_in_flight
+    tokens = tokens_per_sample * manifest.batch.microbatch_size
     out = []
     for k in range(manifest.num_stages):
         start, end = manifest.stage_span(k)
         blocks = costs[start:end]
         out.append(
-            sum(c.state_bytes for c in blocks)
-            + int(tokens * sum(c.activation_bytes_per_token for c in blocks))
+            (
+                sum(c.state_bytes for c in blocks),
+                int(tokens * sum(c.activation_bytes_per_token for c in blocks)),
+            )
         )
     return out
+
+
+def stage_memory_bytes(manifest: RunManifest) -> list[int]:
+    """Estimated memory one replica of each stage needs: weights, gradients, optimizer state,
+    and the activations of the microbatches it may hold in flight."""
+    return [state + manifest.batch.max_in_flight * act for state, act in stage_memory_figures(manifest)]

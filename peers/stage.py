@@ -1,21 +1,22 @@
 """The stage peer process: serves one pipeline stage of a run.
 
-A forward request carries a microbatch and the route (the peer of every stage, chosen by
-the trainer). The stage runs its blocks, sends the output straight to the next stage's
-peer and waits for that call's reply, which carries the gradient of the output; then it
-runs backward and replies upstream with the gradient of its input. The last stage computes
-the loss and starts backward. So forward chains peer to peer and gradients come back along
-the recorded path: the open calls themselves.
+It joins the swarm, takes a stage (the one that needs a peer most, or `--stage`), downloads
+its parameters and optimizer state from a live replica, and serves until stopped: forward
+and backward work (`stage_work`), the step commit (`stage_commit`), state downloads for
+joining replicas. Every heartbeat it announces its readiness and counters in the DHT, reads
+the replicas of the next stage (where its hops go), catches up if it fell behind, and may
+move to another stage when that raises swarm throughput (`planning.StageRebalancer`).
 
-Compute runs on one worker thread, off the event loop; networking stays on the loop.
+Networking runs on one asyncio loop; compute on one thread, in the order the run's
+schedule gives (`swarmtrain.schedule`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -26,18 +27,25 @@ from hivemind.utils import get_dht_time
 import swarmtrain
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
 from swarmtrain.model import build_stage
-from swarmtrain.peers.planning import choose_stage, stage_memory_bytes
+from swarmtrain.peers.faults import FaultInjector, SlowdownSource
+from swarmtrain.peers.planning import choose_stage, stage_memory_figures
+from swarmtrain.peers.stage_commit import StageCommit
+from swarmtrain.peers.stage_work import StageWork, readiness_meta
+from swarmtrain.schedule import (
+    ReadinessQueue,
+    ReadinessRouter,
+    RoundRobinRouter,
+    StaticQueue,
+    in_flight_budget,
+)
+from swarmtrain.schedule.runtime import ComputeScheduler
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
-from swarmtrain.train.averaging import GradientInbox, group_sum
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame, error_frame
-from swarmtrain.wire.records import PeerRecord, RunManifest
+from swarmtrain.wire.records import MAX_BANNED_LISTED, PeerRecord, RunManifest
 
 logger = logging.getLogger(__name__)
-
-HOP_MARGIN_S = 0.5
-"""Time a stage keeps for itself when it passes the remaining budget downstream."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +67,9 @@ class StageConfig:
     """Lifetime of an announcement: a peer silent for this long drops out of routing."""
     slowdown: float = 1.0
     """Make compute take this many times longer (emulates a slower device on one machine)."""
+    slowdown_file: str | None = None
+    """A file holding a number: while it exists, compute takes that many times longer instead
+    of `slowdown` (emulates a device that throttles for a while)."""
     max_memory_bytes: int | None = None
     """Memory this peer may use; a stage that needs more is refused."""
     is_spot: bool = False
@@ -70,7 +81,10 @@ class StageConfig:
     probe_s: float = 0.3
     """Seconds of matmul timing in the start-up capacity probe."""
     drain_timeout_s: float = 10.0
-    """On SIGTERM, how long to wait for in-flight microbatches before leaving."""
+    """On SIGTERM, how long to wait for in-flight microbatches (and their step's commit) before leaving."""
+    fault: str | None = None
+    """Test hook, 'ACTION:KIND:N': SIGKILL ('kill') or SIGTERM ('term') this peer as its N-th
+    'forward' / 'backward' / 'loss' task starts (see peers/faults.py)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self):
@@ -80,6 +94,8 @@ class StageConfig:
             raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
         if self.stage is not None and self.stage < 0:
             raise ConfigError(f"--stage must be >= 0, got {self.stage}")
+        if self.fault is not None:
+            FaultInjector.parse(self.fault)
 
 
 class StagePeer:
@@ -97,14 +113,25 @@ class StagePeer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._in_flight = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        self._inbox = GradientInbox()
         self._beat_soon: asyncio.Task | None = None
         self.capacity: dict = {}
         self._rebalancer = None
+        self._memory: list[tuple[int, int]] = []
         self.moves = 0
+        self.scheduler: ComputeScheduler | None = None
+        self.router: ReadinessRouter | None = None
+        self._replicas: dict[int, list[str]] = {}
+        self._records: list[PeerRecord] = []
+        self.work = StageWork(self)
+        self.commit = StageCommit(self)
+        self._slowdown = SlowdownSource(config.slowdown, config.slowdown_file)
+        self._faults = FaultInjector(config.fault)
         self.on_serving = lambda: None
         """Called once the peer is announced and takes requests (serving or standing by)."""
+
+    @property
+    def peer_id(self) -> str:
+        return self.node.peer_id
 
     # lifecycle
 
@@ -124,16 +151,18 @@ class StagePeer:
         try:
             await self._serve(self.node)
         finally:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            if self.scheduler is not None:
+                self.scheduler.close()
             self.node.shutdown()
 
     async def _serve(self, node: SwarmNode) -> None:
         cfg = self.config
         self.manifest = manifest = node.require_manifest(cfg.run_id)
         self.capacity = await self._loop.run_in_executor(None, self._probe)
+        self._memory = await self._loop.run_in_executor(None, stage_memory_figures, manifest)
         fits = [True] * manifest.num_stages
         if cfg.max_memory_bytes is not None:
-            needs = stage_memory_bytes(manifest)
+            needs = [state + manifest.batch.max_in_flight * act for state, act in self._memory]
             fits = [n <= cfg.max_memory_bytes for n in needs]
             if cfg.stage is not None and manifest.stage_span(cfg.stage) and not fits[cfg.stage]:
                 raise ConfigError(
@@ -145,6 +174,8 @@ class StagePeer:
         else:
             self.stage = cfg.stage
         start, end = manifest.stage_span(self.stage)
+        static = manifest.schedule == "static"
+        self.router = RoundRobinRouter() if static else ReadinessRouter()
         self._take_stage(self.stage)
         if cfg.rebalance_s > 0:
             from swarmtrain.peers.planning import StageRebalancer
@@ -153,6 +184,7 @@ class StagePeer:
         self.transport = TensorTransport(await node.p2p(), cfg.transport)
         await self._sync_from_replica()
         await self._measure_links()
+        await self.refresh_replicas()
         await self.transport.serve(handler_name(manifest.run_id), self._handle)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: stop() is the way out
@@ -166,7 +198,7 @@ class StagePeer:
             start,
             end - 1,
             manifest.run_id,
-            node.peer_id,
+            self.peer_id,
         )
         self.on_serving()
         beats = asyncio.create_task(self._heartbeats())
@@ -178,7 +210,7 @@ class StagePeer:
         await asyncio.gather(beats, *([self._beat_soon] if self._beat_soon else []), return_exceptions=True)
 
     def _take_stage(self, stage: int) -> None:
-        """Build `stage`'s blocks (from the run seed) and its optimizer."""
+        """Build `stage`'s blocks (from the run seed), its optimizer and its compute queue."""
         manifest = self.manifest
         start, end = manifest.stage_span(stage)
         module = build_stage(
@@ -191,42 +223,66 @@ class StagePeer:
             device=self.config.device,
         )
         self.stage = stage
-        self.runner = StageRunner(module, manifest.optimizer, microbatch_size=manifest.batch.microbatch_size)
-        self._inbox = GradientInbox()
+        self.runner = runner = StageRunner(
+            module, manifest.optimizer, microbatch_size=manifest.batch.microbatch_size
+        )
+        state_bytes, act_bytes = self._memory[stage]
+        free = float(self.capacity.get("memory_bytes", 2**34)) - state_bytes
+        self.budget = in_flight_budget(free, act_bytes)
+        policy = StaticQueue() if manifest.schedule == "static" else ReadinessQueue(self.budget)
+        if self.scheduler is not None:
+            self.scheduler.close()
+        self.scheduler = ComputeScheduler(
+            policy,
+            holding=lambda: runner.num_pending,
+            fused_last=stage == manifest.num_stages - 1,
+            slowdown=self._slowdown.current,
+            before_task=self._faults.before_task,
+        )
+        self.commit.reset()
+        self.work.clear_cache()
 
     async def _switch_stage(self, stage: int) -> None:
         """Move to `stage`: drain, take its blocks and a live replica's state, serve again."""
         old = self.stage
         self.state = "draining"
         await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while self._in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._wait_idle(self.config.drain_timeout_s)
         self._take_stage(stage)
         await self._sync_from_replica()
+        await self.refresh_replicas()
         self._since, self.state = get_dht_time(), "serving"
         await self._heartbeat()
         self.moves += 1
         logger.warning("moved from stage %d to stage %d to raise swarm throughput", old, stage)
 
+    async def _wait_idle(self, timeout_s: float) -> None:
+        """Wait until no microbatch is in flight here and no gradient of the step would be lost
+        by leaving (it was exchanged with the other replicas, or the step was applied)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self._in_flight and (not self.runner.has_gradients or self.commit.exchanged):
+                return
+            await asyncio.sleep(0.05)
+
     async def _drain(self) -> None:
-        """Stop taking new work, let in-flight microbatches finish, announce we are leaving."""
+        """Stop taking new work, let in-flight microbatches and their commit finish, leave."""
         self.state = "draining"
         try:
             await asyncio.wait_for(self._heartbeat(), timeout=2.0)
         except Exception as e:  # leaving anyway: the TTL will retire our record
             logger.warning("could not announce draining: %r", e)
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while self._in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._wait_idle(self.config.drain_timeout_s)
         logger.info("stage %d left the swarm (%d microbatches served)", self.stage, self.served)
 
     def record(self) -> PeerRecord:
         device = self.config.device
         if device.startswith("cuda"):
             device = f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+        ready = self.scheduler.readiness()
+        banned = sorted(self.router.bans.banned(time.monotonic()))[:MAX_BANNED_LISTED]
         return PeerRecord(
-            peer_id=self.node.peer_id,
+            peer_id=self.peer_id,
             role="stage",
             stage=self.stage,
             state=self.state,
@@ -236,15 +292,76 @@ class StagePeer:
             step=self.runner.step,
             capacity=self.capacity,
             since=self._since,
+            queue_depth=ready["queue_depth"],
+            backlog_s=ready["backlog_s"],
+            service_s=ready["service_s"],
+            in_flight_budget=self.budget,
+            holding=ready["holding"],
+            memory_used_bytes=self._memory_used(),
+            busy_s=self.scheduler.busy_s,
+            replayed=self.work.replayed,
+            failed=self.failed,
+            banned=tuple(banned),
+            bytes_sent=self.transport.bytes_sent,
+            bytes_received=self.transport.bytes_received,
+            raw_bytes_sent=self.transport.bytes_sent,
         )
+
+    def _memory_used(self) -> int:
+        if self.config.device.startswith("cuda"):
+            return int(torch.cuda.memory_allocated(torch.device(self.config.device)))
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
 
     async def _heartbeat(self) -> None:
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=self.config.ttl_s)
 
+    def heartbeat_soon(self) -> None:
+        self._beat_soon = asyncio.create_task(self._heartbeat())
+
+    # routing
+
+    async def refresh_replicas(self, wait_s: float = 0.0) -> None:
+        """Re-read the swarm's serving peers (after `wait_s`); their readiness feeds the router."""
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+        self._records = await self.node.peers_async(self.manifest.run_id)
+        by_stage = stage_replicas(self._records)
+        self._replicas = {
+            k: [r.peer_id for r in rs if r.peer_id != self.peer_id] for k, rs in by_stage.items()
+        }
+        now = time.monotonic()
+        for rs in by_stage.values():
+            for r in rs:
+                self.router.report(
+                    r.peer_id, backlog_s=r.backlog_s, service_s=r.service_s, now=now, from_reply=False
+                )
+        self.router.forget({r.peer_id for r in self._records})
+
+    def choose_replica(self, stage: int, *, order: int, nbytes: int, prefer: str | None) -> str | None:
+        return self.router.choose(
+            self._replicas.get(stage, []), time.monotonic(), nbytes=nbytes, order=order, prefer=prefer
+        )
+
+    def expect_static(self, frame: Frame) -> None:
+        """Static schedule: tell the queue which microbatches of the step come here (meta 'slots':
+        'j/R' per stage, this peer being replica j of R; meta 'microbatches': M)."""
+        slots, count = str(frame.meta.get("slots", "")).split(), frame.meta.get("microbatches")
+        if len(slots) <= self.stage or not isinstance(count, int):
+            return
+        j, _, r = slots[self.stage].partition("/")
+        if not (j.isdigit() and r.isdigit() and 0 <= int(j) < int(r)):
+            raise BadFrameError(f"meta slots must be 'j/R' per stage, got {slots[self.stage]!r}")
+        orders = [n for n in range(count) if n % int(r) == int(j)]
+        self.scheduler.expect(frame.step, orders, self.manifest.num_stages - self.stage)
+
     async def _live_replicas(self) -> list[PeerRecord]:
         """Other serving replicas of this stage, furthest step first."""
         replicas = stage_replicas(await self.node.peers_async(self.manifest.run_id)).get(self.stage, [])
-        others = [r for r in replicas if r.peer_id != self.node.peer_id]
+        others = [r for r in replicas if r.peer_id != self.peer_id]
         return sorted(others, key=lambda r: -r.step)
 
     async def _sync_from_replica(self) -> bool:
@@ -258,21 +375,19 @@ class StagePeer:
                 reply = await self.transport.call(
                     replica.peer_id, handler_name(self.manifest.run_id), request, timeout_s=60
                 )
-                await self._compute(self.runner.import_state, reply.tensors, reply.step)
+                await self.scheduler.call(self.runner.import_state, reply.tensors, reply.step)
             except (RemoteError, PeerUnreachableError, BadFrameError) as e:
                 logger.warning("could not take state from replica %s: %s", replica.peer_id[-8:], e)
                 continue
+            self.commit.reset()
             logger.info("took the state of step %d from replica %s", reply.step, replica.peer_id[-8:])
             return True
         return False
 
-    async def _resync_if_behind(self, force: bool = False) -> bool:
-        """A replica that missed a step (it joined mid-step, or a commit failed) catches up.
-
-        Without `force`, only when idle; returns True if it took a replica's newer state.
-        """
+    async def _resync_if_behind(self) -> bool:
+        """A replica that missed a step (it joined mid-step, or left a commit) catches up when idle."""
         runner = self.runner
-        if not force and (self._in_flight or runner.num_pending or runner.num_committed):
+        if self._in_flight or runner.num_pending or runner.has_gradients:
             return False
         replicas = await self._live_replicas()
         if replicas and replicas[0].step > runner.step:
@@ -293,7 +408,7 @@ class StagePeer:
                 last_check = time.monotonic()
                 try:
                     target = self._rebalancer.check(
-                        self.node.peer_id, await self.node.peers_async(self.manifest.run_id)
+                        self.peer_id, await self.node.peers_async(self.manifest.run_id)
                     )
                     if target is not None:
                         await self._switch_stage(target)
@@ -301,6 +416,7 @@ class StagePeer:
                     logger.warning("rebalancing failed: %r", e)
             try:
                 await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
+                await asyncio.wait_for(self.refresh_replicas(), timeout=self.config.ttl_s)
                 await asyncio.wait_for(self._resync_if_behind(), timeout=10 * self.config.ttl_s)
             except Exception as e:  # a DHT hiccup must not stop serving
                 logger.warning("heartbeat failed: %r", e)
@@ -313,9 +429,7 @@ class StagePeer:
         from swarmtrain.peers.probe import measure_links
 
         records = await self.node.peers_async(self.manifest.run_id)
-        others = [r.peer_id for r in records if r.role == "stage" and r.peer_id != self.node.peer_id][
-            :max_peers
-        ]
+        others = [r.peer_id for r in records if r.role == "stage" and r.peer_id != self.peer_id][:max_peers]
         if not others:
             return
         links = await measure_links(
@@ -345,22 +459,6 @@ class StagePeer:
             "slowdown": cap.slowdown,
         }
 
-    def _slowed(self, fn, *args):
-        """Run `fn`; with --slowdown F, hold the compute thread F times as long in all."""
-        started = time.perf_counter()
-        result = fn(*args)
-        if self.config.slowdown > 1:
-            time.sleep((self.config.slowdown - 1) * (time.perf_counter() - started))
-        return result
-
-    async def _compute(self, fn, *args):
-        """Run `fn` on the compute thread (bookkeeping and state copies: never slowed down)."""
-        return await self._loop.run_in_executor(self._pool, fn, *args)
-
-    async def _model_compute(self, fn, *args):
-        """Run forward/backward work on the compute thread, slowed down by --slowdown."""
-        return await self._loop.run_in_executor(self._pool, self._slowed, fn, *args)
-
     async def _handle(self, frame: Frame, peer: str) -> Frame:
         run_id = self.manifest.run_id
         if frame.run_id != run_id:
@@ -369,11 +467,14 @@ class StagePeer:
                 run_id, f"this peer serves run {run_id!r}, not {frame.run_id!r}", retryable=False
             )
         if frame.kind == "ping":
-            return Frame(
-                kind="pong", run_id=run_id, stage=self.stage, step=self.runner.step, meta=self._status()
-            )
-        if self.state == "draining" and frame.kind in ("forward", "step"):
-            return error_frame(run_id, "this peer is leaving its stage", retryable=True, stage=self.stage)
+            meta = {
+                "state": self.state,
+                "served": self.served,
+                "failed": self.failed,
+                "in_flight": self._in_flight,
+            }
+            meta.update(readiness_meta(self.scheduler.readiness()))
+            return Frame(kind="pong", run_id=run_id, stage=self.stage, step=self.runner.step, meta=meta)
         if frame.stage != self.stage:
             valid = 0 <= frame.stage < self.manifest.num_stages  # routing may lag a move by a heartbeat
             if not valid:
@@ -385,24 +486,24 @@ class StagePeer:
                 stage=self.stage,
             )
         if frame.kind == "step":
-            return await self._on_step(frame)
+            return await self.commit.on_step(frame)
         if frame.kind == "grads":
             try:
-                return await self._on_grads(frame, peer)
+                return await self.commit.on_grads(frame, peer)
             except BadFrameError as e:
                 self.transport.strike(peer, str(e))
                 return error_frame(run_id, f"stage {self.stage} rejected gradients: {e}", retryable=False)
         if frame.kind == "state":
             step = self.runner.step
-            state = await self._compute(self.runner.export_state)
+            state = await self.scheduler.call(self.runner.export_state)
             return Frame(kind="state_data", run_id=run_id, stage=self.stage, step=step, tensors=state)
         if frame.kind != "forward":
             return error_frame(run_id, f"stage peers do not take {frame.kind!r} frames", retryable=False)
         if self.state == "draining":
-            return error_frame(run_id, "this peer is leaving the swarm", retryable=True, stage=self.stage)
+            return error_frame(run_id, "this peer is leaving its stage", retryable=True, stage=self.stage)
         self._in_flight += 1
         try:
-            reply = await self._on_forward(frame)
+            reply = await self.work.on_forward(frame)
             self.served += 1
             return reply
         except BadFrameError as e:
@@ -421,159 +522,3 @@ class StagePeer:
             )
         finally:
             self._in_flight -= 1
-
-    def _status(self) -> dict:
-        return {
-            "state": self.state,
-            "served": self.served,
-            "failed": self.failed,
-            "in_flight": self._in_flight,
-            "pending": self.runner.num_pending,
-        }
-
-    async def _on_step(self, frame: Frame) -> Frame:
-        """Commit a step: check this replica's microbatches, sum gradients with the group, step.
-
-        meta: num_microbatches (this replica's share), group (peer ids of every replica of
-        the stage that steps together). A replica whose exchange fails while another
-        replica got ahead takes that replica's state instead of stepping on its own.
-        """
-        run_id, runner = self.manifest.run_id, self.runner
-        n, group = frame.meta.get("num_microbatches"), str(frame.meta.get("group", self.node.peer_id)).split()
-        if frame.meta.get("abort"):
-            await self._compute(runner.discard_step)
-            return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=runner.step)
-        if frame.meta.get("resync") and runner.step == frame.step:
-            if not await self._resync_if_behind(force=True):
-                return error_frame(
-                    run_id, f"stage {self.stage}: no replica ahead to take state from", retryable=True
-                )
-            return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=runner.step)
-        if not isinstance(n, int) or n < 0 or self.node.peer_id not in group:
-            return error_frame(
-                run_id, "step frame needs num_microbatches >= 0 and a group naming this peer", retryable=False
-            )
-        try:
-            if await self._compute(runner.check_step, frame.step, n) and len(group) > 1:
-                try:
-                    await self._exchange(frame.step, [p for p in group if p != self.node.peer_id])
-                except (RemoteError, PeerUnreachableError) as e:
-                    if not await self._resync_if_behind(force=True):
-                        raise RemoteError(f"gradient exchange failed: {e}", retryable=True) from None
-                    return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=runner.step)
-            new_step = await self._compute(runner.apply_step, frame.step, n)
-        except RemoteError as e:
-            return error_frame(run_id, f"stage {self.stage}: {e}", retryable=e.retryable, stage=self.stage)
-        self._beat_soon = asyncio.create_task(self._heartbeat())  # routing sees the new step now
-        return Frame(kind="step_done", run_id=run_id, stage=self.stage, step=new_step)
-
-    async def _exchange(self, step: int, others: list[str], timeout_s: float = 30.0) -> None:
-        """Send this replica's gradients to `others`, take theirs, sum them all in place."""
-        local = await self._compute(lambda: [g.detach().cpu().clone() for g in self.runner.grads()])
-        frame = Frame(
-            kind="grads",
-            run_id=self.manifest.run_id,
-            stage=self.stage,
-            step=step,
-            tensors={str(i): g for i, g in enumerate(local)},
-        )
-        name = handler_name(self.manifest.run_id)
-        sends = [self.transport.call(p, name, frame, timeout_s=timeout_s) for p in others]
-        results = await asyncio.gather(
-            *sends, self._inbox.take(step, others, timeout_s), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        total = group_sum(self.node.peer_id, local, results[-1])
-        await self._compute(lambda: [g.copy_(t) for g, t in zip(self.runner.grads(), total)])
-
-    async def _on_grads(self, frame: Frame, peer: str) -> Frame:
-        if frame.step != self.runner.step:
-            return error_frame(
-                self.manifest.run_id,
-                f"stage {self.stage} is at step {self.runner.step}, not {frame.step}",
-                retryable=True,
-            )
-        grads = [frame.tensors.get(str(i)) for i in range(len(frame.tensors))]
-        if any(g is None for g in grads):
-            raise BadFrameError("a grads frame names its tensors 0..N-1")
-        await self._inbox.put(frame.step, peer, grads, self.runner.grads())
-        return Frame(kind="result", run_id=self.manifest.run_id, stage=self.stage, step=frame.step)
-
-    async def _on_forward(self, frame: Frame) -> Frame:
-        runner, manifest = self.runner, self.manifest
-        started = time.monotonic()
-        x, targets = frame.tensors.get("x"), frame.tensors.get("targets")
-        if x is None or targets is None:
-            raise BadFrameError("a forward frame needs tensors 'x' and 'targets'")
-        runner.check_inputs(x, targets)
-        loss_scale, budget_s = frame.meta.get("loss_scale"), frame.meta.get("budget_s")
-        if not isinstance(loss_scale, float) or not 0 < loss_scale <= 1:
-            raise BadFrameError(f"meta loss_scale must be a float in (0, 1], got {loss_scale!r}")
-        if not isinstance(budget_s, (int, float)) or budget_s <= 0:
-            raise BadFrameError(f"meta budget_s must be a positive number, got {budget_s!r}")
-        if frame.step != runner.step:
-            if runner.steps_applied == 0 and runner.num_pending == 0 and runner.num_committed == 0:
-                runner.step = frame.step  # a fresh peer adopts the run's step
-            else:
-                raise RemoteError(
-                    f"stage {self.stage} is at step {runner.step}, not {frame.step}", retryable=True
-                )
-        mb = frame.mb_id
-        try:
-            if self.stage == manifest.num_stages - 1:
-                loss, grad_x = await self._model_compute(
-                    runner.forward_loss_backward, mb, x, targets, loss_scale
-                )
-            else:
-                loss, grad_x = await self._chain(frame, x, targets, budget_s - (time.monotonic() - started))
-        except (BadFrameError, RemoteError, PeerUnreachableError):
-            raise
-        except (RuntimeError, IndexError, ValueError) as e:  # the model refused this input
-            raise BadFrameError(f"forward/backward failed on this input: {e}") from None
-        tensors = {} if grad_x is None else {"grad": grad_x}
-        meta = {"loss": loss, "service_s": time.monotonic() - started}
-        return Frame(
-            kind="result",
-            run_id=manifest.run_id,
-            mb_id=mb,
-            stage=self.stage,
-            step=frame.step,
-            tensors=tensors,
-            meta=meta,
-        )
-
-    async def _chain(self, frame: Frame, x, targets, budget_s: float) -> tuple[float, torch.Tensor | None]:
-        """Forward here, then through the rest of the route; backward here with its gradient."""
-        route = str(frame.meta.get("route", "")).split()
-        if len(route) != self.manifest.num_stages:
-            raise BadFrameError(f"meta route must name {self.manifest.num_stages} peers, got {len(route)}")
-        out = await self._model_compute(self.runner.forward, frame.mb_id, x)
-        if not bool(torch.isfinite(out).all()):
-            self.runner.drop(frame.mb_id)
-            raise RemoteError(f"stage {self.stage} produced NaN/inf activations", retryable=False)
-        request = Frame(
-            kind="forward",
-            run_id=frame.run_id,
-            mb_id=frame.mb_id,
-            stage=self.stage + 1,
-            step=frame.step,
-            tensors={"x": out, "targets": targets},
-            meta=dict(frame.meta, budget_s=budget_s - HOP_MARGIN_S),
-        )
-        downstream = route[self.stage + 1]
-        try:
-            reply = await self.transport.call(
-                downstream, handler_name(frame.run_id), request, timeout_s=budget_s - HOP_MARGIN_S
-            )
-            grad, loss = reply.tensors.get("grad"), reply.meta.get("loss")
-            if grad is None or not isinstance(loss, float):
-                raise BadFrameError("the reply lacks a gradient or a loss")
-            grad_x = await self._model_compute(self.runner.backward, frame.mb_id, grad)
-            return loss, grad_x
-        except BadFrameError as e:  # the downstream peer's fault, not our caller's
-            self.transport.strike(downstream, str(e))
-            raise RemoteError(f"stage {self.stage + 1} sent a bad reply: {e}", retryable=True) from None
-        finally:
-            self.runner.drop(frame.mb_id)

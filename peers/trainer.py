@@ -1,10 +1,10 @@
 """The trainer: owns the data, pushes microbatches into stage 0, steps the stages.
 
-One optimizer step is a flush: the trainer sends `microbatches_per_step` microbatches
-(at most `max_in_flight` at once) through the route, waits for all their losses, then
-asks every stage of the route to step. A microbatch that fails for a retryable reason is
-replayed (the stages dedupe its gradient by id); one that fails for a non-retryable
-reason fails the step with the peer's message.
+One optimizer step sends `microbatches_per_step` microbatches into the swarm, a window of
+them in flight at once (grown while throughput grows, halved on timeouts), then commits
+every stage so that each microbatch's gradient counts exactly once (`trainer_step.Step`).
+Every microbatch is accounted for: completed, or dropped with a cause; replays are counted
+by cause; `Trainer.totals` keeps the counts, and each step's are in its StepResult.
 
 `Trainer` is a sync facade over a private event loop on a background thread, so it can be
 driven from a plain Python loop over the user's own data.
@@ -16,13 +16,16 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from hivemind.utils import get_dht_time
 
-from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError, SwarmError
+from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
+from swarmtrain.peers.trainer_step import Step, StepFailedError
+from swarmtrain.schedule import InFlightWindow, ReadinessRouter, RoundRobinRouter, WindowConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame
@@ -30,9 +33,10 @@ from swarmtrain.wire.records import RunManifest
 
 logger = logging.getLogger(__name__)
 
+REFRESH_S = 1.0
+"""How old the trainer's view of the serving replicas may get before it reads the DHT again."""
 
-class StepFailedError(SwarmError):
-    """A step could not complete; the message says which microbatch or stage and why."""
+__all__ = ["StepFailedError", "StepResult", "Trainer", "TrainerConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,10 +49,17 @@ class TrainerConfig:
     microbatch_timeout_s: float = 60.0
     """Budget for one microbatch's whole trip: forward through every stage and back."""
     max_retries: int = 6
-    """Replays of a microbatch after retryable failures before the step fails; they back off
-    0.5, 1, 2, 4, 4, ... s, so a dead peer's DHT record (TTL) expires before the last one."""
+    """Replays of a microbatch from the trainer after retryable failures before the step fails
+    (each failure bans that replica for 1, 2, 4, ... up to 30 s)."""
     wait_for_stages_s: float = 60.0
     """How long to wait for every stage to have a serving peer."""
+    max_dropped_fraction: float = 0.0
+    """Share of a step's microbatches that may be dropped (refused as bad by a stage: a
+    non-finite loss, say) with the step going on, rescaled; past it the step fails."""
+    verify_replicas: bool = False
+    """Ask every replica for a hash of its parameters after each step (StepResult.replicas_equal)."""
+    window: WindowConfig | None = None
+    """The in-flight window; None: start at the run's max_in_flight, at most a step's microbatches."""
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self):
@@ -60,6 +71,8 @@ class TrainerConfig:
             raise ConfigError(
                 f"max_retries and wait_for_stages_s must be >= 0, got {self.max_retries} and {self.wait_for_stages_s}"
             )
+        if not 0 <= self.max_dropped_fraction < 1:
+            raise ConfigError(f"max_dropped_fraction must be in [0, 1), got {self.max_dropped_fraction}")
 
 
 @dataclass(frozen=True)
@@ -72,9 +85,20 @@ class StepResult:
     tokens: int
     seconds: float
     replays: int
-    """Microbatches replayed after a retryable failure."""
+    """Replays after failures (hops replayed by stages, resends by the trainer, repairs at commit)."""
     dropped: int = 0
-    """Microbatch gradients a stage stepped without: held by a replica that died during the commit."""
+    """Microbatches left out of the step (see dropped_causes)."""
+    completed: int = 0
+    """Microbatches whose gradients the step applied (each exactly once per stage)."""
+    replay_causes: dict = field(default_factory=dict)
+    dropped_causes: dict = field(default_factory=dict)
+    work: dict = field(default_factory=dict)
+    """Per stage: microbatches each replica (peer id) completed this step."""
+    window: int = 0
+    """Microbatches in flight at once during the step."""
+    timeouts: int = 0
+    replicas_equal: bool | None = None
+    """With verify_replicas: whether every stage's replicas hash to the same parameters."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,8 +122,22 @@ class Trainer:
             raise
         self.step = 0
         self.trainer_id = self.node.peer_id[-8:]
-        self._known_step: dict[str, int] = {}
+        self.known_step: dict[str, int] = {}
         self._published = None
+        self.handler = handler_name(self.manifest.run_id)
+        self.router = RoundRobinRouter() if self.manifest.schedule == "static" else ReadinessRouter()
+        batch = self.manifest.batch
+        self.window = InFlightWindow(
+            config.window
+            or WindowConfig(
+                initial=min(batch.max_in_flight, batch.microbatches_per_step),
+                max_size=batch.microbatches_per_step,
+            )
+        )
+        self._replicas: dict[int, list[str]] = {}
+        self._replicas_at = -1.0
+        self.totals = Counter()
+        """completed, replayed, dropped: microbatches since the trainer started."""
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -143,10 +181,27 @@ class Trainer:
     # routing
 
     def _step_of(self, record) -> int:
-        return max(record.step, self._known_step.get(record.peer_id, -1))
+        return max(record.step, self.known_step.get(record.peer_id, -1))
 
-    async def _replicas(
-        self, stages: list[int] | None = None, *, step: int | None = None
+    async def replicas(self, *, refresh: bool = False, wait_for_all: bool = False) -> dict[int, list[str]]:
+        """The serving replicas of each stage at the trainer's step, read again when over REFRESH_S old."""
+        if wait_for_all:
+            self._replicas = await self._replicas_at_step()
+            self._replicas_at = time.monotonic()
+        elif refresh or time.monotonic() - self._replicas_at > REFRESH_S:
+            self._replicas = await self._replicas_at_step(wait=False)
+            self._replicas_at = time.monotonic()
+        return self._replicas
+
+    async def refresh_replicas(self, *, wait: bool) -> None:
+        """Every replica of stage 0 is banned or gone: wait a little, then look again."""
+        delay = self.router.bans.next_unban(self._replicas.get(0, []), time.monotonic())
+        if wait:
+            await asyncio.sleep(min(delay or 0.25, 1.0))
+        await self.replicas(refresh=True)
+
+    async def _replicas_at_step(
+        self, stages: list[int] | None = None, *, step: int | None = None, wait: bool = True
     ) -> dict[int, list[str]]:
         """Serving replicas of each of `stages` (default: all) at `step` (default: the trainer's).
 
@@ -164,7 +219,7 @@ class Trainer:
                 for k in stages
             }
             missing = [k for k in stages if not eligible[k]]
-            if not missing:
+            if not missing or not wait:
                 return eligible
             if time.monotonic() > deadline:
                 seen = "; ".join(
@@ -181,7 +236,7 @@ class Trainer:
 
     def route(self) -> list[str]:
         """One serving peer per stage (the earliest replica), waiting up to wait_for_stages_s."""
-        replicas = self._run(self._replicas())
+        replicas = self._run(self._replicas_at_step())
         return [replicas[k][0] for k in range(self.manifest.num_stages)]
 
     async def _sync_step(self) -> None:
@@ -197,7 +252,7 @@ class Trainer:
                     )
                 except (RemoteError, PeerUnreachableError, BadFrameError):
                     continue
-                self._known_step[r.peer_id] = reply.step
+                self.known_step[r.peer_id] = reply.step
                 steps.append(reply.step)
         self.step = max(steps)
 
@@ -219,25 +274,6 @@ class Trainer:
 
         return self._run(fetch())
 
-    async def _send(self, route: list[str], step: int, n: int, x, y, m: int) -> float:
-        budget = self.config.microbatch_timeout_s
-        frame = Frame(
-            kind="forward",
-            run_id=self.manifest.run_id,
-            mb_id=f"{self.trainer_id}:{step}:{n}",
-            stage=0,
-            step=step,
-            tensors={"x": x, "targets": y},
-            meta={"loss_scale": 1.0 / m, "budget_s": budget, "route": " ".join(route)},
-        )
-        reply = await self.transport.call(
-            route[0], handler_name(self.manifest.run_id), frame, timeout_s=budget
-        )
-        loss = reply.meta.get("loss")
-        if not isinstance(loss, float):
-            raise BadFrameError("stage 0 replied without a loss")
-        return loss
-
     def _publish(self, result: StepResult) -> None:
         """Announce the step's loss and speed under `{run}.trainers` (fire and forget)."""
         from swarmtrain.swarm.node import trainers_key
@@ -249,6 +285,10 @@ class Trainer:
             loss=result.loss,
             tokens_per_s=result.tokens_per_s,
             t=get_dht_time(),
+            completed=self.totals["completed"],
+            replayed=self.totals["replayed"],
+            dropped=self.totals["dropped"],
+            window=result.window,
         )
         self._published = self.node.dht.store(
             trainers_key(self.manifest.run_id),
@@ -269,7 +309,7 @@ class Trainer:
         size. Raises StepFailedError when a step cannot complete.
         """
         it = iter(batches)
-        self._run(self._replicas())
+        self._run(self._replicas_at_step())
         self._run(self._sync_step())
         m = self.manifest.batch.microbatches_per_step
         for _ in range(steps):
@@ -279,138 +319,8 @@ class Trainer:
                     microbatches.append(next(it))
                 except StopIteration:
                     return
-            result = self._run(_Step(self, microbatches).run())
+            result = self._run(Step(self, microbatches).run())
+            self.totals.update(completed=result.completed, replayed=result.replays, dropped=result.dropped)
+            self.window.on_step(result.tokens_per_s, timeouts=result.timeouts)
             self._publish(result)
             yield result
-
-
-class _Step:
-    """One optimizer step: route, send and replay microbatches, then commit every stage."""
-
-    def __init__(self, trainer: Trainer, microbatches: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.t = trainer
-        self.microbatches = microbatches
-        self.step = trainer.step
-        self.num_stages = trainer.manifest.num_stages
-        self.routes: dict[int, list[str]] = {}
-        """The route each microbatch last completed through."""
-        self.losses: dict[int, float] = {}
-        self.replays = 0
-        self.dropped = 0
-        self.window = asyncio.Semaphore(trainer.manifest.batch.max_in_flight)
-
-    def _choose(self, eligible: dict[int, list[str]], old: list[str] | None) -> list[str]:
-        """Keep the replicas of `old` that still serve (they hold this microbatch's gradients
-        already, and dedupe a replay); fill the rest with the least loaded replica."""
-        load: dict[str, int] = {}
-        for route in self.routes.values():
-            for peer in route:
-                load[peer] = load.get(peer, 0) + 1
-        route = []
-        for k in range(self.num_stages):
-            if old is not None and old[k] in eligible[k]:
-                route.append(old[k])
-            else:
-                route.append(min(eligible[k], key=lambda p: (load.get(p, 0), eligible[k].index(p))))
-            load[route[-1]] = load.get(route[-1], 0) + 1
-        return route
-
-    async def _microbatch(self, n: int, old: list[str] | None) -> None:
-        t, cfg = self.t, self.t.config
-        x, y = self.microbatches[n]
-        async with self.window:
-            for attempt in range(cfg.max_retries + 1):
-                route = self._choose(await t._replicas(), old)
-                try:
-                    self.losses[n] = await t._send(route, self.step, n, x, y, len(self.microbatches))
-                    self.routes[n] = route
-                    return
-                except (RemoteError, PeerUnreachableError, BadFrameError) as e:
-                    if isinstance(e, RemoteError) and not e.retryable:
-                        raise StepFailedError(f"step {self.step}, microbatch {n}: {e}") from None
-                    if attempt == cfg.max_retries:
-                        raise StepFailedError(
-                            f"step {self.step}, microbatch {n} failed {attempt + 1} times, last: {e}"
-                        ) from None
-                    logger.warning("replaying microbatch %d of step %d: %s", n, self.step, e)
-                    self.replays += 1
-                    old = route
-                    await asyncio.sleep(min(0.5 * 2**attempt, 4.0))
-
-    async def _all(self, jobs) -> None:
-        tasks = [asyncio.create_task(job) for job in jobs]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
-
-    async def run(self) -> StepResult:
-        started = time.monotonic()
-        await self._all(self._microbatch(n, None) for n in range(len(self.microbatches)))
-        # A replica that died after its share of work took those gradients with it: replay
-        # such microbatches (surviving replicas on their route dedupe them) before committing.
-        for _ in range(self.t.config.max_retries + 1):
-            eligible = await self.t._replicas()
-            lost = [
-                n
-                for n, r in self.routes.items()
-                if any(r[k] not in eligible[k] for k in range(self.num_stages))
-            ]
-            if not lost:
-                break
-            self.replays += len(lost)
-            await self._all(self._microbatch(n, self.routes[n]) for n in lost)
-        await self._all(self._commit(k) for k in range(self.num_stages))
-        self.t.step = self.step + 1
-        x0 = self.microbatches[0][0]
-        samples = sum(x.shape[0] for x, _ in self.microbatches)
-        tokens = samples if x0.is_floating_point() else sum(x.numel() for x, _ in self.microbatches)
-        return StepResult(
-            step=self.step,
-            loss=sum(self.losses.values()) / len(self.losses),
-            samples=samples,
-            tokens=tokens,
-            seconds=time.monotonic() - started,
-            replays=self.replays,
-            dropped=self.dropped,
-        )
-
-    async def _commit(self, stage: int) -> None:
-        """Step every live replica of `stage` together; a replica lost during the commit is
-        left out and its microbatches are counted as dropped for this stage."""
-        t, run_id = self.t, self.t.manifest.run_id
-        last: Exception | None = None
-        for attempt in range(t.config.max_retries + 1):
-            records = stage_replicas(await t.node.peers_async(run_id)).get(stage, [])
-            replicas = [r.peer_id for r in records if t._step_of(r) == self.step or r.served == 0]
-            if not replicas:
-                if attempt and any(t._step_of(r) == self.step + 1 for r in records):
-                    return  # an earlier attempt stepped every replica; only its replies were lost
-                replicas = (await t._replicas([stage]))[stage]  # wait for one to (re)appear
-            counts = {p: sum(1 for r in self.routes.values() if r[stage] == p) for p in replicas}
-            self.dropped = max(self.dropped, len(self.routes) - sum(counts.values()))
-
-            # Replicas that stepped already hold the step's result: the others take their
-            # state rather than step on a smaller group's gradients.
-            resync = any(t._step_of(r) == self.step + 1 for r in records)
-
-            async def commit(
-                peer: str, counts=counts, group=" ".join(sorted(replicas)), resync=resync
-            ) -> None:
-                meta = {"num_microbatches": counts[peer], "group": group, "resync": resync}
-                frame = Frame(kind="step", run_id=run_id, stage=stage, step=self.step, meta=meta)
-                reply = await t.transport.call(peer, handler_name(run_id), frame, timeout_s=60)
-                t._known_step[peer] = reply.step
-
-            results = await asyncio.gather(*(commit(p) for p in replicas), return_exceptions=True)
-            errors = [e for e in results if isinstance(e, BaseException)]
-            if not errors:
-                return
-            last = errors[0]
-            if isinstance(last, RemoteError) and not last.retryable:
-                raise StepFailedError(f"step {self.step}: stage {stage} could not step: {last}") from None
-            logger.warning("retrying the commit of stage %d, step %d: %s", stage, self.step, last)
-            await asyncio.sleep(min(0.5 * 2**attempt, 4.0))
-        raise StepFailedError(f"step {self.step}: stage {stage} could not step: {last}")

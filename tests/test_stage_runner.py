@@ -37,18 +37,30 @@ def make_runners(bounds: tuple[int, ...], optimizer: OptimizerConfig = SGD) -> l
     ]
 
 
-def run_microbatch(runners: list[StageRunner], mb_id: str, x, y, loss_scale: float) -> float:
+def run_microbatch(
+    runners: list[StageRunner], mb_id: str, x, y, loss_scale: float, *, replay: bool = False
+) -> float:
     """Forward through every stage, loss and backward on the last, backward back to the first."""
     h = x
     for runner in runners[:-1]:
         runner.check_inputs(h, y)
         h = runner.forward(mb_id, h)
     runners[-1].check_inputs(h, y)
-    loss, grad = runners[-1].forward_loss_backward(mb_id, h, y, loss_scale)
+    loss, grad = runners[-1].forward_loss_backward(mb_id, h, y, loss_scale, replay=replay)
     for runner in reversed(runners[:-1]):
-        grad = runner.backward(mb_id, grad)
+        grad = runner.backward(mb_id, grad, replay=replay)
     assert grad is None  # the first stage takes token ids: no input gradient
     return loss
+
+
+def commit(runners: list[StageRunner], step: int, take: tuple[str, ...] = ()) -> list[int]:
+    """Fold what each runner reports (and the held copies in `take`), then step each."""
+    out = []
+    for r in runners:
+        fresh, held = r.report()
+        r.fold(step, fresh=set(fresh), take=[mb for mb in take if mb in held])
+        out.append(r.apply_step(step))
+    return out
 
 
 def keyed_grads(parts) -> dict[str, torch.Tensor]:
@@ -95,7 +107,7 @@ def test_chained_stages_train_like_the_reference(text, bounds, optimizer):
         if step == 0:
             assert_close(chain_grads(runners), expected_grads)
         assert all(r.num_committed == M and r.num_pending == 0 for r in runners)
-        assert [r.apply_step(step, M) for r in runners] == [step + 1] * len(runners)
+        assert commit(runners, step) == [step + 1] * len(runners)
         assert all(not p.grad.any() for r in runners for p in r.params)
 
     ref = train_reference(
@@ -137,11 +149,37 @@ def test_replayed_microbatch_adds_its_gradient_once(text):
     assert [r.num_committed for r in replayed] == [M] * 3
     torch.testing.assert_close(chain_grads(replayed), chain_grads(once), rtol=0, atol=0)
     before = chain_state(replayed)
-    assert [r.apply_step(0, M) for r in replayed] == [1, 1, 1]
-    for r in once:
-        r.apply_step(0, M)
+    assert commit(replayed, 0) == [1, 1, 1]
+    commit(once, 0)
     assert_close(chain_state(replayed), chain_state(once), atol=0)
     assert not all(torch.equal(before[k], v) for k, v in chain_state(replayed).items())
+
+
+def test_a_replay_is_held_apart_and_counts_only_when_the_commit_takes_it(text):
+    M = 2
+    data = batches(text)
+    mbs = [next(data) for _ in range(M)]
+    once, held = make_runners((0, 2, 4)), make_runners((0, 2, 4))
+    for n, (x, y) in enumerate(mbs):
+        run_microbatch(once, f"t:0:{n}", x, y, 1 / M)
+    run_microbatch(held, "t:0:0", *mbs[0], 1 / M)
+    run_microbatch(held, "t:0:1", *mbs[1], 1 / M, replay=True)  # another replica may have it
+    assert [r.report() for r in held] == [(frozenset({"t:0:0"}), frozenset({"t:0:1"}))] * 2
+    assert not torch.equal(chain_grads(held)["head.lm_head.weight"], chain_grads(once)["head.lm_head.weight"])
+    run_microbatch(held, "t:0:1", *mbs[1], 1 / M, replay=True)  # held already: adds nothing
+    assert commit(held, 0, take=("t:0:1",)) == [1, 1]
+    commit(once, 0)
+    assert_close(chain_state(held), chain_state(once), atol=1e-6)
+
+
+def test_held_copies_not_taken_are_discarded(text):
+    data = batches(text)
+    runners = make_runners((0, 2, 4))
+    x, y = next(data)
+    run_microbatch(runners, "t:0:0", x, y, 1.0, replay=True)
+    before = chain_state(runners)
+    assert commit(runners, 0, take=()) == [1, 1]  # another replica counted it
+    assert_close(chain_state(runners), before, atol=0)  # zero gradients: SGD left the weights
 
 
 def test_replay_returns_the_same_input_gradient(text):
@@ -156,25 +194,23 @@ def test_replay_returns_the_same_input_gradient(text):
     assert first.num_pending == 0 and first.num_committed == 1 and last.num_committed == 1
 
 
-def test_apply_step_with_missing_microbatches_names_the_counts(text):
+def test_fold_refuses_a_buffer_that_changed_and_a_closed_step_adds_nothing(text):
     runners = make_runners((0, 2, 4))
     data = batches(text)
-    for n in range(2):
-        run_microbatch(runners, f"t:0:{n}", *next(data), 1 / 3)
-    before = chain_state(runners)
+    run_microbatch(runners, "t:0:0", *next(data), 1 / 2)
     for r in runners:
         with pytest.raises(
-            RemoteError, match="holds gradients of 2 of 3 microbatches of step 0: replay"
+            RemoteError, match="holds gradients of 1 microbatches of step 0, the plan expects 2"
         ) as info:
-            r.apply_step(0, 3)
-        assert info.value.retryable is False
-        with pytest.raises(RemoteError, match="holds gradients of 2 of 1 microbatches"):
-            r.apply_step(0, 1)  # more than the step should have is refused too
-        assert r.step == 0 and r.steps_applied == 0
-    assert_close(chain_state(runners), before, atol=0)
-    # The missing one replayed, the step goes through.
-    run_microbatch(runners, "t:0:2", *next(data), 1 / 3)
-    assert [r.apply_step(0, 3) for r in runners] == [1, 1]
+            r.fold(0, fresh={"t:0:0", "t:0:1"}, take=[])
+        assert info.value.retryable
+        with pytest.raises(RemoteError, match="not folded"):
+            r.apply_step(0)
+        r.fold(0, fresh={"t:0:0"}, take=[])
+    grads = chain_grads(runners)
+    run_microbatch(runners, "t:0:1", *next(data), 1 / 2)  # a straggler after the fold
+    torch.testing.assert_close(chain_grads(runners), grads, rtol=0, atol=0)
+    assert [r.apply_step(0) for r in runners] == [1, 1]
 
 
 def test_repeated_apply_step_is_idempotent_and_a_wrong_step_raises(text):
@@ -182,25 +218,46 @@ def test_repeated_apply_step_is_idempotent_and_a_wrong_step_raises(text):
     data = batches(text)
     for r in runners:
         with pytest.raises(RemoteError, match="this stage is at step 0, not 1") as info:
-            r.apply_step(1, 1)
+            r.apply_step(1)
         assert info.value.retryable is False
         with pytest.raises(RemoteError, match="at step 0, not -1"):
-            r.apply_step(-1, 1)  # no step has been applied yet, so this is no repeat
+            r.apply_step(-1)  # no step has been applied yet, so this is no repeat
     run_microbatch(runners, "t:0:0", *next(data), 1.0)
-    assert [r.apply_step(0, 1) for r in runners] == [1, 1]
+    assert commit(runners, 0) == [1, 1]
     after = chain_state(runners)
     for _ in range(2):
-        assert [r.apply_step(0, 1) for r in runners] == [1, 1]
+        assert [r.apply_step(0) for r in runners] == [1, 1]
     assert [(r.step, r.steps_applied) for r in runners] == [(1, 1), (1, 1)]
     assert_close(chain_state(runners), after, atol=0)
     for r in runners:
         with pytest.raises(RemoteError, match="at step 1, not 3"):
-            r.apply_step(3, 1)
+            r.apply_step(3)
     # Once gradients of the next step are held, the old step is no longer answered as a repeat.
     run_microbatch(runners, "t:1:0", *next(data), 1.0)
     with pytest.raises(RemoteError, match="at step 1, not 0"):
-        runners[0].apply_step(0, 1)
-    assert [r.apply_step(1, 1) for r in runners] == [2, 2]
+        runners[0].apply_step(0)
+    assert commit(runners, 1) == [2, 2]
+
+
+def test_non_finite_loss_or_gradient_is_refused_and_adds_nothing(text):
+    first, mid, last = make_runners((0, 1, 3, 4))
+    x, y = next(batches(text))
+    h = mid.forward("t:0:0", first.forward("t:0:0", x))
+    with pytest.raises(RemoteError, match="non-finite loss") as info:
+        last.forward_loss_backward("t:0:0", torch.full_like(h, float("nan")), y, 1.0)
+    assert not info.value.retryable
+    with pytest.raises(RemoteError, match="non-finite input gradient"):
+        mid.backward("t:0:0", torch.full_like(h, float("inf")))
+    assert mid.report() == last.report() == (frozenset(), frozenset())
+    assert all(not p.grad.any() for r in (mid, last) for p in r.params)
+
+
+def test_param_digest_tells_identical_replicas_apart_from_different_ones(text):
+    a, b = make_runners((0, 4)), make_runners((0, 4))
+    assert a[0].param_digest() == b[0].param_digest()
+    run_microbatch(a, "t:0:0", *next(batches(text)), 1.0)
+    commit(a, 0)
+    assert a[0].param_digest() != b[0].param_digest()
 
 
 def test_check_inputs_rejects_bad_tensors():

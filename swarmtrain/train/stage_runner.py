@@ -3,15 +3,24 @@
 The contract with the peer shell around it:
 - `forward(mb_id, x)` runs the stage and keeps (input, output) until `backward(mb_id, ...)`
   (or `drop(mb_id)`); the last stage uses `forward_loss_backward` instead.
-- Gradients are committed at most once per microbatch id and step: a replayed microbatch
-  gets its input gradient recomputed but adds nothing more to the parameters' gradients.
-- `apply_step(step, n)` steps the optimizer only when exactly `n` microbatches of `step`
-  were committed, so a step never goes through on partial or doubled gradients.
+- A microbatch's parameter gradient is added to the gradient buffer on its first ("fresh")
+  pass only. A replay (`replay=True`: it was sent again after a failure, and another replica
+  may hold it already) keeps its gradient apart ("held") until the step's commit decides.
+  A microbatch already in the buffer or held adds nothing more: its input gradient is
+  recomputed and returned, nothing else.
+- A non-finite loss or input gradient is refused (RemoteError, not retryable) before
+  anything is added, so one bad microbatch cannot poison the step.
+- The commit: `report()` says what the buffer and the held copies hold; `fold(step, fresh,
+  take)` checks the buffer holds exactly `fresh`, closes the step (later passes add
+  nothing) and adds the held copies named in `take`; `apply_step(step, total)` writes the
+  replicas' summed gradients (or keeps the local ones) and steps the optimizer.
 All methods run on the caller's thread; the shell calls them from one worker thread.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +29,7 @@ from torch import Tensor
 from swarmtrain.errors import BadFrameError, RemoteError
 from swarmtrain.model import StageModule
 from swarmtrain.train.optim import make_optimizer
+from swarmtrain.wire.frames import all_finite
 from swarmtrain.wire.records import OptimizerConfig
 
 
@@ -70,6 +80,8 @@ class StageRunner:
         self.steps_applied = 0
         self._pending: dict[str, tuple[Tensor, Tensor]] = {}
         self._committed: set[str] = set()
+        self._held: dict[str, list[Tensor | None]] = {}
+        self._closed = False
 
     @property
     def num_pending(self) -> int:
@@ -77,7 +89,17 @@ class StageRunner:
 
     @property
     def num_committed(self) -> int:
+        """Microbatches of this step in the gradient buffer."""
         return len(self._committed)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether this step's gradients (buffered or held) would be lost if the peer left now."""
+        return bool(self._committed or self._held)
 
     def check_inputs(self, x: Tensor, targets: Tensor | None) -> None:
         self.input_spec.check("x", x)
@@ -100,7 +122,7 @@ class StageRunner:
         self._pending[mb_id] = (x, out)
         return out.detach().cpu()
 
-    def backward(self, mb_id: str, grad_out: Tensor) -> Tensor | None:
+    def backward(self, mb_id: str, grad_out: Tensor, *, replay: bool = False) -> Tensor | None:
         """Backpropagate `grad_out` through `mb_id`'s forward; return the input's gradient."""
         if mb_id not in self._pending:
             raise RemoteError(f"no forward state for microbatch {mb_id} (it was dropped or never ran)")
@@ -110,78 +132,136 @@ class StageRunner:
             raise BadFrameError(
                 f"gradient has shape {tuple(grad_out.shape)}, the output had {tuple(out.shape)}"
             )
-        return self._backprop(mb_id, out, grad_out.to(self.device), x)
+        return self._backprop(mb_id, out, grad_out.to(self.device), x, replay)
 
     def forward_loss_backward(
-        self, mb_id: str, x: Tensor, targets: Tensor, loss_scale: float
+        self, mb_id: str, x: Tensor, targets: Tensor, loss_scale: float, *, replay: bool = False
     ) -> tuple[float, Tensor | None]:
         """Last stage: forward, loss, backward in one go. Returns (unscaled loss, input grad)."""
         x = self._input(x)
         with torch.enable_grad():
             loss = self.module.loss(self.module(x), targets.to(self.device))
-        grad_x = self._backprop(mb_id, loss * loss_scale, None, x)
-        return float(loss.detach()), grad_x
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise RemoteError(f"microbatch {mb_id} has a non-finite loss ({value})", retryable=False)
+        grad_x = self._backprop(mb_id, loss * loss_scale, None, x, replay)
+        return value, grad_x
 
-    def _backprop(self, mb_id: str, out: Tensor, grad_out: Tensor | None, x: Tensor) -> Tensor | None:
+    def _backprop(
+        self, mb_id: str, out: Tensor, grad_out: Tensor | None, x: Tensor, replay: bool
+    ) -> Tensor | None:
+        if mb_id in self._committed or mb_id in self._held or self._closed:
+            # counted already (or the step is closed): only the input gradient is wanted
+            if not x.requires_grad:
+                return None
+            (grad_x,) = torch.autograd.grad(out, [x], grad_outputs=grad_out)
+            return self._checked(mb_id, grad_x.detach().cpu())
         wrt = ([x] if x.requires_grad else []) + self.params
         grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
-        grad_x = grads[0].detach().cpu() if x.requires_grad else None
-        if mb_id not in self._committed:
+        grad_x = self._checked(mb_id, grads[0].detach().cpu()) if x.requires_grad else None
+        param_grads = grads[len(wrt) - len(self.params) :]
+        if replay:
+            self._held[mb_id] = [None if g is None else g.detach().clone() for g in param_grads]
+        else:
             self._committed.add(mb_id)
-            for p, g in zip(self.params, grads[len(wrt) - len(self.params) :]):
+            for p, g in zip(self.params, param_grads):
                 if g is not None:
                     p.grad.add_(g)
+        return grad_x
+
+    @staticmethod
+    def _checked(mb_id: str, grad_x: Tensor) -> Tensor:
+        if not all_finite(grad_x):
+            raise RemoteError(f"microbatch {mb_id} has a non-finite input gradient", retryable=False)
         return grad_x
 
     def drop(self, mb_id: str) -> None:
         """Forget a microbatch whose downstream failed; its replay will run forward again."""
         self._pending.pop(mb_id, None)
 
-    def check_step(self, step: int, num_microbatches: int) -> bool:
-        """Whether `step` still needs applying here (False: it is the step just applied).
+    # the commit
 
-        Raises RemoteError (not retryable) for another step, or when this replica does not
-        hold the gradients of exactly `num_microbatches` microbatches of `step`.
+    def report(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(microbatches in the gradient buffer, replayed microbatches held apart) of this step."""
+        return frozenset(self._committed), frozenset(self._held)
+
+    def reopen(self) -> None:
+        """Accept gradients again (a commit attempt failed; replays may come before the next)."""
+        self._closed = False
+
+    def fold(self, step: int, *, fresh: set[str], take: list[str]) -> None:
+        """Close `step` and add the held copies named in `take` to the buffer.
+
+        Raises RemoteError (retryable) unless the buffer holds exactly `fresh`: something
+        arrived since the replicas reported, and the commit must be planned again. Held
+        copies not in `take` are discarded (another replica counts them).
         """
-        if step == self.step - 1 and self.steps_applied > 0 and not self._committed:
-            return False
         if step != self.step:
             raise RemoteError(f"this stage is at step {self.step}, not {step}", retryable=False)
-        if len(self._committed) != num_microbatches:
+        if self._committed != fresh:
             raise RemoteError(
-                f"this stage holds gradients of {len(self._committed)} of {num_microbatches} microbatches "
-                f"of step {step}: replay the missing ones before stepping",
-                retryable=False,
+                f"this replica holds gradients of {len(self._committed)} microbatches of step {step}, "
+                f"the plan expects {len(fresh)}: plan the commit again",
+                retryable=True,
             )
-        return True
+        missing = [mb for mb in take if mb not in self._held]
+        if missing:
+            raise RemoteError(f"no held gradients of microbatches {missing}", retryable=True)
+        self._closed = True
+        for mb in sorted(take):
+            for p, g in zip(self.params, self._held.pop(mb)):
+                if g is not None:
+                    p.grad.add_(g)
+            self._committed.add(mb)
+        self._held.clear()
 
     def grads(self) -> list[Tensor]:
-        """The gradient buffers, in parameter order (replicas average these before stepping)."""
+        """The gradient buffers, in parameter order (replicas exchange these before stepping)."""
         return [p.grad for p in self.params]
 
-    def apply_step(self, step: int, num_microbatches: int) -> int:
-        """Step the optimizer for `step` if all its microbatches are committed; returns the new step.
+    def apply_step(self, step: int, total: list[Tensor] | None = None, *, grad_scale: float = 1.0) -> int:
+        """Step the optimizer for `step` (already folded); returns the new step.
 
-        A replica may hold 0 microbatches of a step: after averaging, its gradients are the
-        group's. A repeated call for the step just applied is answered without stepping again.
+        `total`: the summed gradients of every replica of the stage (None: this replica's
+        own buffer is the total). `grad_scale` multiplies the gradients first (the trainer
+        rescales a step that lost microbatches). A repeated call for the step just applied is
+        answered without stepping again; another step raises RemoteError (not retryable).
         """
-        if not self.check_step(step, num_microbatches):
+        if step == self.step - 1 and self.steps_applied > 0 and not self.has_gradients:
             return self.step
+        if step != self.step:
+            raise RemoteError(f"this stage is at step {self.step}, not {step}", retryable=False)
+        if not self._closed:
+            raise RemoteError(f"step {step} was not folded before it was applied", retryable=True)
+        with torch.no_grad():
+            if total is not None:
+                for p, t in zip(self.params, total):
+                    p.grad.copy_(t)
+            if grad_scale != 1.0:
+                for p in self.params:
+                    p.grad.mul_(grad_scale)
         self.optimizer.step()
-        for p in self.params:
-            p.grad.zero_()
-        self._committed.clear()
-        self._pending.clear()
+        self.discard_step()
         self.step += 1
         self.steps_applied += 1
         return self.step
 
     def discard_step(self) -> None:
-        """Forget this step's gradients and in-flight work (the trainer will replay the step)."""
+        """Forget this step's gradients and in-flight work, and accept gradients again."""
         for p in self.params:
             p.grad.zero_()
         self._committed.clear()
         self._pending.clear()
+        self._held.clear()
+        self._closed = False
+
+    def param_digest(self) -> str:
+        """A hash of every parameter's bytes: replicas are bit-identical exactly when these match."""
+        h = hashlib.blake2b(digest_size=16)
+        for name, p in self.named_params.items():
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     # state transfer between replicas
 

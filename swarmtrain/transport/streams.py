@@ -117,7 +117,11 @@ class TensorTransport:
                 "", f"request did not arrive within {self.config.read_timeout_s} s", retryable=True
             )
         self.bytes_received += sum(t.nbytes for t in request.tensors.values())
-        reply = await handler(request, peer)
+        try:
+            reply = await handler(request, peer)
+        except Exception as e:  # a bug here must cost one reply, not the caller's stream
+            logger.exception("handler failed on a %s frame from %s", request.kind, peer[-8:])
+            return error_frame(request.run_id, f"internal error on this peer: {e!r}", retryable=True)
         self.bytes_sent += sum(t.nbytes for t in reply.tensors.values())
         return reply
 

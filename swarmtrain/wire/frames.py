@@ -196,7 +196,7 @@ _NONFINITE_BITS = {
 }
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """torch.isfinite(t).all(), computed on the raw bits in numpy.
 
     One thread and one temporary: torch's version makes bool copies and wakes its thread
@@ -222,7 +222,7 @@ def decode_tensors(
         else:
             t = torch.empty(0, dtype=DTYPES[dtype])
         t = t.view(shape)
-        if t.is_floating_point() and not allow_nonfinite and not _all_finite(t):
+        if t.is_floating_point() and not allow_nonfinite and not all_finite(t):
             raise BadFrameError(f"tensor {name!r} holds NaN or inf values")
         tensors[name] = t
         offset += nbytes
