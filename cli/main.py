@@ -373,6 +373,7 @@ def join(
             hidden=True,
             help="Testing: ACTION:KIND:N kills (kill) or terminates (term) this peer as its N-th "
             "forward/backward/loss task starts.",
+            show_default="no fault",
         ),
     ] = None,
     verbose: Verbose = False,
@@ -467,12 +468,19 @@ def train(
                         "tokens": result.tokens,
                         "seconds": result.seconds,
                         "tokens_per_s": result.tokens_per_s,
+                        "completed": result.completed,
                         "replays": result.replays,
+                        "dropped": result.dropped,
+                        "replay_causes": result.replay_causes,
+                        "dropped_causes": result.dropped_causes,
+                        "window": result.window,
                     }
                     typer.echo(json.dumps(record))
                 else:
+                    extra = f"  {result.replays} replayed" if result.replays else ""
+                    extra += f"  {result.dropped} dropped" if result.dropped else ""
                     typer.echo(
-                        f"step {result.step:5d}  loss {result.loss:.4f}  {result.tokens_per_s:8.0f} tokens/s"
+                        f"step {result.step:5d}  loss {result.loss:.4f}  {result.tokens_per_s:8.0f} tokens/s{extra}"
                     )
 
     run_guarded(main)

@@ -1,0 +1,167 @@
+"""Failures as states, on real swarms: peers killed (kill -9) or stopped (SIGTERM) in the
+middle of a forward or a backward pass, a replica that stalls and recovers, and a chaos run
+where peers die and rejoin all along. Training goes on, every microbatch is accounted for,
+each counts exactly once (the losses equal single-process training's), and every stage's
+replicas hold identical parameters after every step."""
+
+import random
+import signal
+import threading
+
+import pytest
+import torch
+
+from swarmtrain.train.data import TokenBatches, stdlib_text
+from swarmtrain.train.reference import train_reference
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from tests.conftest import TINY_GPT, wait_until
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+SEED = 3
+OPTIMIZER = OptimizerConfig(name="adamw", lr=1e-2)
+BATCH = BatchConfig(microbatch_size=4, microbatches_per_step=6, max_in_flight=6)
+STILL = ("--rebalance-every", "0")  # peers stay on their stage: the layout is the test's
+
+
+def batches(microbatch_size: int = 4):
+    return TokenBatches(
+        stdlib_text(2**20), seq_len=TINY_GPT["seq_len"], microbatch_size=microbatch_size, seed=SEED
+    )
+
+
+def assert_every_microbatch_counted(results, per_step: int) -> None:
+    for r in results:
+        assert r.completed == per_step and r.dropped == 0, r
+        assert r.replicas_equal is True, f"step {r.step}: replicas differ"
+
+
+def assert_parity(results, steps: int) -> None:
+    reference = train_reference(
+        model="tiny-gpt",
+        model_config=TINY_GPT,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batches=batches(),
+        steps=steps,
+        microbatches_per_step=BATCH.microbatches_per_step,
+    )
+    losses = torch.tensor([r.loss for r in results])
+    torch.testing.assert_close(losses, torch.tensor(reference.losses), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("action", ["kill", "term"])
+def test_peers_lost_mid_forward_and_mid_backward_lose_nothing(local_swarm, action):
+    """Stage 0's second replica goes in the middle of its 4th forward, stage 1's in the middle
+    of its 3rd backward (stage 2 is the last: its work is 'loss' tasks). kill: the whole
+    process group dies at once; term: the peer drains its work and leaves politely."""
+    swarm = local_swarm(
+        model_config=TINY_GPT,
+        num_stages=3,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batch=BATCH,
+        stage_args={k: STILL for k in range(3)},
+    )
+    fwd = swarm.spawn_stage(0, extra_args=(*STILL, "--inject-fault", f"{action}:forward:4"))
+    bwd = swarm.spawn_stage(1, extra_args=(*STILL, "--inject-fault", f"{action}:backward:3"))
+    steps = 5
+    with swarm.trainer(verify_replicas=True) as trainer:
+        results = list(trainer.train(batches(), steps=steps))
+    for name in (fwd, bwd):
+        code = swarm.procs[name].wait(timeout=30)
+        assert code == (0 if action == "term" else -signal.SIGKILL), f"{name} exited with {code}"
+    assert [r.step for r in results] == list(range(steps))
+    assert_every_microbatch_counted(results, BATCH.microbatches_per_step)
+    assert_parity(results, steps)
+    if action == "kill":
+        assert sum(r.replays for r in results) > 0  # the killed peers' work was replayed
+
+
+def test_a_stalled_replica_gets_less_work_and_gets_it_back(local_swarm, tmp_path):
+    batch = BatchConfig(microbatch_size=4, microbatches_per_step=8, max_in_flight=8)
+    swarm = local_swarm(
+        model_config=TINY_GPT | {"n_layer": 6},
+        stage_bounds=(0, 1, 6),
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batch=batch,
+        stage_args={0: STILL, 1: STILL},
+    )
+    stall = tmp_path / "stall"
+    slow = swarm.spawn_stage(1, extra_args=(*STILL, "--slowdown-file", str(stall)))
+    slow_id = swarm.wait_ready(slow)
+    shares: list[tuple[str, float]] = []
+    phase = "normal"
+    with swarm.trainer() as trainer:
+        for result in trainer.train(batches(), steps=30):
+            work = result.work[1]
+            shares.append((phase, work.get(slow_id, 0) / sum(work.values())))
+            if len(shares) == 8:
+                stall.write_text("4")  # the replica now computes 4x slower
+                phase = "stalled"
+            elif len(shares) == 18:
+                stall.unlink()
+                phase = "recovered"
+
+    def mean(name: str, skip: int) -> float:
+        values = [s for p, s in shares if p == name][skip:]
+        return sum(values) / len(values)
+
+    normal, stalled, recovered = mean("normal", 2), mean("stalled", 3), mean("recovered", 5)
+    assert normal > 0.3, shares  # equal replicas share the work
+    assert stalled < 0.6 * normal, shares  # within a few steps the slow one gets less
+    assert recovered > 1.5 * stalled and recovered > 0.25, shares  # and it gets it back
+
+
+def test_chaos_peers_die_and_rejoin_all_along_and_training_reaches_its_target(local_swarm):
+    """Six stage peers (three stages, two replicas each): every few seconds one replica is
+    killed (kill -9 of its whole process group) and a new one joins in its place."""
+    swarm = local_swarm(
+        model_config=TINY_GPT,
+        num_stages=3,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batch=BATCH,
+        stage_args={k: STILL for k in range(3)},
+    )
+    live = {k: [f"stage{k}-{k + 1}"] for k in range(3)}
+    for k in range(3):
+        live[k].append(swarm.spawn_stage(k, extra_args=STILL))
+    rng = random.Random(SEED)
+    stop, kills = threading.Event(), []
+
+    def chaos() -> None:
+        while not stop.wait(3.0):
+            k = rng.randrange(3)
+            victim = live[k].pop(rng.randrange(len(live[k])))
+            swarm.signal(victim, signal.SIGKILL)
+            kills.append(victim)
+            fresh = swarm.spawn_stage(k, extra_args=STILL, wait=False)
+            try:
+                swarm.wait_ready(fresh)
+            except Exception:  # the test is ending and closed the swarm
+                return
+            live[k].append(fresh)
+
+    thread = threading.Thread(target=chaos, daemon=True)
+    results = []
+    with swarm.trainer(verify_replicas=True) as trainer:
+        thread.start()
+        try:
+            for result in trainer.train(batches(), steps=400):
+                results.append(result)
+                recent = [r.loss for r in results[-3:]]
+                if len(kills) >= 4 and sum(recent) / 3 < results[0].loss - 0.6:
+                    break
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+    assert len(kills) >= 4, f"only {len(kills)} peers were killed in {len(results)} steps"
+    assert sum(r.loss for r in results[-3:]) / 3 < results[0].loss - 0.6  # the target loss
+    assert [r.step for r in results] == list(range(len(results)))
+    assert_every_microbatch_counted(results, BATCH.microbatches_per_step)
+    assert sum(r.replays for r in results) > 0
+    wait_until(
+        lambda: all(swarm.procs[v].poll() is not None for v in kills), timeout_s=10, what="victims gone"
+    )
