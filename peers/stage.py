@@ -114,6 +114,7 @@ class StagePeer:
         self._stop: asyncio.Event | None = None
         self._in_flight = 0
         self._beat_soon: asyncio.Task | None = None
+        self._resync: asyncio.Task | None = None
         self.capacity: dict = {}
         self._rebalancer = None
         self._memory: list[tuple[int, int]] = []
@@ -322,6 +323,17 @@ class StagePeer:
     def heartbeat_soon(self) -> None:
         self._beat_soon = asyncio.create_task(self._heartbeat())
 
+    def resync_soon(self) -> None:
+        """Work of a later step arrived: this replica fell behind; catch up once idle."""
+        if self._resync is None or self._resync.done():
+            self._resync = asyncio.create_task(self._resync_when_idle())
+
+    async def _resync_when_idle(self) -> None:
+        for _ in range(100):
+            if await self._resync_if_behind() or not self.runner.has_gradients:
+                return
+            await asyncio.sleep(0.1)
+
     # routing
 
     async def refresh_replicas(self, wait_s: float = 0.0) -> None:
@@ -494,8 +506,8 @@ class StagePeer:
                 self.transport.strike(peer, str(e))
                 return error_frame(run_id, f"stage {self.stage} rejected gradients: {e}", retryable=False)
         if frame.kind == "state":
-            step = self.runner.step
-            state = await self.scheduler.call(self.runner.export_state)
+            runner = self.runner  # the step and the state it labels are read together
+            step, state = await self.scheduler.call(lambda: (runner.step, runner.export_state()))
             return Frame(kind="state_data", run_id=run_id, stage=self.stage, step=step, tensors=state)
         if frame.kind != "forward":
             return error_frame(run_id, f"stage peers do not take {frame.kind!r} frames", retryable=False)

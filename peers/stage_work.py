@@ -88,9 +88,11 @@ class StageWork:
         if not isinstance(order, int) or order < 0 or not isinstance(replay, bool):
             raise BadFrameError("meta order must be an int >= 0 and replay a bool")
         if frame.step != runner.step:
-            if runner.steps_applied == 0 and runner.num_pending == 0 and not runner.has_gradients:
-                runner.step = frame.step  # a fresh peer adopts the run's step
+            if runner.from_seed and runner.num_pending == 0 and not runner.has_gradients:
+                runner.step = frame.step  # a stage nobody served starts from the seed at the run's step
             else:
+                if frame.step > runner.step:
+                    peer.resync_soon()
                 raise RemoteError(
                     f"stage {peer.stage} is at step {runner.step}, not {frame.step}", retryable=True
                 )
@@ -99,7 +101,11 @@ class StageWork:
             self._cache_step = frame.step
         peer.expect_static(frame)
         mb, deadline = frame.mb_id, started + budget_s
-        cached = self._cache.get(mb) if replay else None
+        # The cache may answer only when no stage from here on lacks the work (a commit's
+        # repair names the stages that lost it with a dead replica: they must recompute).
+        needed_by = [int(k) for k in str(meta.get("needed_by", "")).split() if k.isdigit()]
+        usable = replay and all(k < peer.stage for k in needed_by)
+        cached = self._cache.get(mb) if usable else None
         if cached is not None and cached.x.shape == x.shape and torch.equal(cached.x, x):
             self.cache_hits += 1
             loss, grad_x, route, replays = cached.loss, cached.grad, cached.route, 0

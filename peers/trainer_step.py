@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _epochs = itertools.count()
+PREPARE_TIMEOUT_S = 10.0
+"""Prepare, apply and abort are bookkeeping on the replica: a replica silent this long is gone."""
+COMMIT_TIMEOUT_S = 60.0
+"""The exchange moves a stage's gradients between its replicas."""
 
 
 class StepFailedError(SwarmError):
@@ -59,7 +63,9 @@ class Step:
 
     # flow
 
-    async def _send(self, n: int, *, replay: bool, prefer: list[str] | None) -> None:
+    async def _send(
+        self, n: int, *, replay: bool, prefer: list[str] | None, needed_by: tuple[int, ...] = ()
+    ) -> None:
         """Get microbatch `n` through the pipeline once; record its loss and route."""
         t, mb = self.t, self.ids[n]
         x, y = self.microbatches[n]
@@ -86,6 +92,8 @@ class Step:
                 meta |= {"slots": " ".join(slots), "microbatches": len(self.microbatches)}
             if route is not None:
                 meta["prefer"] = " ".join(route)
+            if needed_by:
+                meta["needed_by"] = " ".join(map(str, needed_by))
             target = t.router.choose(
                 replicas.get(0, []), time.monotonic(), order=n, prefer=(route or [None])[0]
             )
@@ -164,7 +172,15 @@ class Step:
     async def _prepare(self) -> dict[int, list[ReplicaReport]]:
         """Every reachable replica of every stage at this step, with what it holds."""
         replicas = await self.t.replicas(refresh=True)
-        groups = {k: set(replicas.get(k, [])) | self.ledger.routed_to(k) for k in range(self.num_stages)}
+        now = time.monotonic()
+        groups = {  # a replica that just failed us is left out: it is most likely dead
+            k: {
+                p
+                for p in set(replicas.get(k, [])) | self.ledger.routed_to(k)
+                if not self.t.router.bans.is_banned(p, now)
+            }
+            for k in range(self.num_stages)
+        }
         reports: dict[int, list[ReplicaReport]] = {k: [] for k in range(self.num_stages)}
 
         async def ask(k: int, peer: str) -> None:
@@ -192,7 +208,8 @@ class Step:
                 route.append(holder)
             n = self.ids.index(mb)
             del self.ledger.losses[mb]
-            await self._send(n, replay=True, prefer=route)
+            needed_by = tuple(k for k in sorted(missing) if mb in missing[k])
+            await self._send(n, replay=True, prefer=route, needed_by=needed_by)
 
     async def _commit(self) -> None:
         completed = self.ledger.completed
@@ -216,6 +233,12 @@ class Step:
                 continue
             missing = {k: set(plan.missing) for k, plan in plans.items() if plan.missing}
             if missing:
+                logger.warning(
+                    "commit of step %d: %s lost with a replica; replaying them",
+                    self.step,
+                    "; ".join(f"stage {k}: {len(v)} microbatches" for k, v in missing.items()),
+                )
+
                 await self._repair(missing, reports)
                 continue
 

@@ -82,6 +82,9 @@ class StageRunner:
         self._committed: set[str] = set()
         self._held: dict[str, list[Tensor | None]] = {}
         self._closed = False
+        self.from_seed = True
+        """Still the run-seed initialisation (never stepped, never took a replica's state):
+        only such a runner may adopt the run's step as its own."""
 
     @property
     def num_pending(self) -> int:
@@ -242,6 +245,7 @@ class StageRunner:
                     p.grad.mul_(grad_scale)
         self.optimizer.step()
         self.discard_step()
+        self.from_seed = False
         self.step += 1
         self.steps_applied += 1
         return self.step
@@ -297,4 +301,5 @@ class StageRunner:
                 p = self.params[int(index)]
                 self.optimizer.state[p][name] = value.to(p.device).clone()
         self.discard_step()
+        self.from_seed = False
         self.step = step
