@@ -110,14 +110,16 @@ const ago = s => s < 90 ? `${Math.round(s)} s` : s < 5400 ? `${Math.round(s / 60
 const bytes = n => { if (!n) return "0"; const u = ["B", "KiB", "MiB", "GiB", "TiB"];
   const i = Math.min(u.length - 1, Math.floor(Math.log(n) / Math.log(1024)));
   return `${(n / 1024 ** i).toFixed(i ? 1 : 0)} ${u[i]}`; };
+const flops = f => f >= 1e12 ? `${(f / 1e12).toFixed(2)} TFLOP/s` : `${(f / 1e9).toFixed(1)} GFLOP/s`;
 const ms = s => s ? (s < 1 ? `${(s * 1000).toFixed(1)} ms` : `${s.toFixed(2)} s`) : "";
 const memory = r => r.memory_used_bytes || r.memory_total_bytes ?
   `${bytes(r.memory_used_bytes)} / ${r.memory_total_bytes ? bytes(r.memory_total_bytes) : "?"}` : "";
 const device = r => r.capacity.device_name && r.device === "cpu" ? `cpu (${r.capacity.device_name})` : r.device;
+const MIN_SPAN_S = 60;  // every chart shows the same window, at least this wide, so the times line up
+let xrange = null;
 const layout = (title, y) => ({title: {text: title, font: {size: 13}}, margin: {l: 52, r: 8, t: 28, b: 28},
   showlegend: true, legend: {orientation: "h", y: -0.18, font: {size: 10}},
-  xaxis: {type: "date", tickformatstops: [{dtickrange: [null, 1000], value: "%H:%M:%S.%L"},
-    {dtickrange: [1000, null], value: "%H:%M:%S"}]},
+  xaxis: {type: "date", range: xrange, tickformat: "%H:%M:%S", tickangle: 0, nticks: 6},
   yaxis: {title: {text: y || "", font: {size: 11}}, rangemode: "tozero"}});
 const opts = {displayModeBar: false};
 // Charts follow their box, whatever resized it (the window, the grid reflowing, a zoom).
@@ -135,7 +137,7 @@ function renderMap(view) {
           data-peer="${esc(r.peer_id)}" data-status="${esc(r.status)}" title="${esc(r.peer_id)}">
           <span class="st">${esc(r.status)}</span><b>${esc(short(r.peer_id))}</b><br>
           <span class="sub">${esc(device(r))}
-          ${r.capacity.flops_per_s ? "&middot; " + (r.capacity.flops_per_s / 1e12).toFixed(2) + " TFLOP/s" : ""}
+          ${r.capacity.flops_per_s ? "&middot; " + flops(r.capacity.flops_per_s) : ""}
           ${r.capacity.memory_bytes ? "&middot; " + bytes(r.capacity.memory_bytes) : ""}
           ${r.capacity.is_spot ? "&middot; spot" : ""}<br>
           ${r.status === "gone" ? `left ${ago(view.updated_at - r.left_at)} ago` :
@@ -175,13 +177,19 @@ function renderEvents(view) {
 
 function renderCharts(view) {
   const s = view.series, x = s.t.map(when), trainers = Object.entries(s.trainers);
+  const times = s.t.concat(...trainers.map(([, p]) => p.t));
+  if (times.length) {
+    const last = Math.max(...times);
+    xrange = [when(Math.min(Math.min(...times), last - MIN_SPAN_S)), when(last)];
+  }
   const line = (t, y, name, extra) => Object.assign({x: t.map(when), y, name, mode: "lines+markers",
     marker: {size: 3}}, extra || {});
   Plotly.react("chart-loss", trainers.map(([n, p]) => line(p.t, p.loss, `loss ${short(n)}`)),
     layout(trainers.length ? "training loss" : "training loss (no trainer reports yet)", "loss"), opts);
   Plotly.react("chart-tokens", trainers.map(([n, p]) => line(p.t, p.tokens_per_s, `tokens/s ${short(n)}`)),
     layout("throughput", "tokens / s"), opts);
-  const bytesLayout = layout("bytes on the wire", "bytes / s");
+  const anyBytes = s.bytes_sent_per_s.some(v => v > 0);
+  const bytesLayout = layout(anyBytes ? "bytes on the wire" : "bytes on the wire (none reported yet)", "bytes / s");
   bytesLayout.yaxis.ticksuffix = "B";
   Plotly.react("chart-bytes", [{x, y: s.bytes_sent_per_s, name: "sent (on the wire)", mode: "lines"},
     {x, y: s.raw_bytes_sent_per_s, name: "before compression", mode: "lines", line: {dash: "dot"}}],
