@@ -3,6 +3,7 @@ browser: test_dashboard_browser.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -301,7 +302,10 @@ def test_openapi_documents_the_json_api_and_metrics():
     assert "swarmtrain_peer_queue_depth" in paths["/metrics"]["get"]["description"]
     schemas = spec["components"]["schemas"]
     assert {"SwarmSnapshot", "PeerView", "StageView", "TrainerView", "EventView"} <= set(schemas)
-    assert "compression" in schemas["PeerView"]["properties"]
+    documented = set(schemas["PeerView"]["properties"])
+    missing = {f.name for f in dataclasses.fields(PeerRecord)} - documented
+    assert not missing, f"PeerRecord fields {sorted(missing)} are not in peers/dashboard/api.py PeerView"
+    assert "compression" in documented
 
 
 def test_a_taken_port_is_a_clear_error():

@@ -38,13 +38,19 @@ class PeerView(BaseModel):
     state: str = Field(description="What the peer says: joining, serving or draining.")
     status: str = Field(description="What the map shows: joining, serving, draining, banned or gone.")
     device: str
+    version: str = Field(description="swarmtrain version of the peer.")
+    since: float = Field(description="DHT time the peer started serving its stage.")
     capacity: dict = Field(
         description="What the peer's probe measured: flops_per_s, memory_bytes, device_name..."
     )
     served: int = Field(description="Microbatches served (forward and backward).")
     step: int
-    queue_depth: int
+    queue_depth: int = Field(description="Compute tasks waiting or running on the peer.")
+    backlog_s: float = Field(description="Expected seconds of compute queued on the peer.")
     service_s: float = Field(description="Moving average of the compute seconds one microbatch costs.")
+    in_flight_budget: int = Field(description="Microbatches the peer may hold at once (0: unknown).")
+    holding: int = Field(description="Microbatches whose activations the peer holds now.")
+    busy_s: float = Field(description="Seconds of compute since the peer started.")
     memory_used_bytes: int
     memory_total_bytes: int | None = Field(description="capacity.memory_bytes; null when unknown.")
     replayed: int

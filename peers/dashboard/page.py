@@ -183,7 +183,7 @@ function renderCharts(view) {
     xrange = [when(Math.min(Math.min(...times), last - MIN_SPAN_S)), when(last)];
   }
   const line = (t, y, name, extra) => Object.assign({x: t.map(when), y, name, mode: "lines+markers",
-    marker: {size: 3}}, extra || {});
+    marker: {size: 5}}, extra || {});
   Plotly.react("chart-loss", trainers.map(([n, p]) => line(p.t, p.loss, `loss ${short(n)}`)),
     layout(trainers.length ? "training loss" : "training loss (no trainer reports yet)", "loss"), opts);
   Plotly.react("chart-tokens", trainers.map(([n, p]) => line(p.t, p.tokens_per_s, `tokens/s ${short(n)}`)),
