@@ -532,6 +532,44 @@ def probe(
 
 
 @app.command()
+def status(
+    initial_peers: InitialPeers,
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id",
+            help="Run to show.",
+            show_default="the only run the swarm announces",
+            callback=_check_run_id,
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the swarm as JSON on stdout instead of tables.")
+    ] = False,
+    verbose: Verbose = False,
+) -> None:
+    """Show a run's stages, peers and training progress, read from the DHT (works without a
+    coordinator: any peer's address will do)."""
+    setup_logging(verbose)
+    from swarmtrain.peers.status import StatusConfig, read_swarm_status, render_status
+    from swarmtrain.swarm import NodeConfig
+
+    def main() -> None:
+        config = StatusConfig(
+            node=NodeConfig(initial_peers=tuple(initial_peers), client_mode=True), run_id=run_id
+        )
+        report = read_swarm_status(config)
+        if as_json:
+            typer.echo(json.dumps(report, indent=2, allow_nan=False))
+        else:
+            from rich.console import Console
+
+            Console().print(render_status(report))
+
+    run_guarded(main)
+
+
+@app.command()
 def demo(
     stages: Annotated[
         int, typer.Option(help="Pipeline stages, 1 to n_layer; one stage peer process is started per stage.")

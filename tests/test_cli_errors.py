@@ -65,6 +65,10 @@ CASES = {
         ("join", "--initial-peers", "/ip4/127.0.0.1/tcp/abc"),
         ("--initial-peers '/ip4/127.0.0.1/tcp/abc'", "port 'abc'", "/ip4/HOST/tcp/PORT/p2p/PEER_ID"),
     ),
+    "address-garbage-status": Case(
+        ("status", "--initial-peers", "/ip4/127.0.0.1/tcp/4001"),
+        ("lacks the /p2p/PEER_ID part", "/ip4/HOST/tcp/PORT/p2p/PEER_ID"),
+    ),
     "address-garbage": Case(
         ("join", "--initial-peers", "garbage"),
         ("'garbage' is not a peer address", "copy the whole address", "/ip4/HOST/tcp/PORT/p2p/PEER_ID"),
@@ -81,6 +85,10 @@ CASES = {
     ),
     "run-unknown-train": Case(
         ("train", "--initial-peers", "{address}", "--run-id", "beta"),
+        ("no run 'beta'", "'alpha'", "--run-id"),
+    ),
+    "run-unknown-status": Case(
+        ("status", "--initial-peers", "{address}", "--run-id", "beta"),
         ("no run 'beta'", "'alpha'", "--run-id"),
     ),
     # 4. stage out of range

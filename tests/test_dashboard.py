@@ -1,10 +1,11 @@
-"""The dashboard: the pure SwarmView, its web app over a fake node, and a real swarm behind it."""
+"""The dashboard: the pure SwarmView and its web app over a fake node (a real swarm in a real
+browser: test_dashboard_browser.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import signal
 import time
 import urllib.request
 
@@ -13,10 +14,8 @@ import pytest
 from swarmtrain.errors import SwarmError
 from swarmtrain.peers.dashboard.server import DashboardConfig, DashboardThread
 from swarmtrain.peers.dashboard.state import SwarmView, ViewConfig
-from swarmtrain.swarm import NodeConfig, SwarmNode
-from swarmtrain.train.data import TokenBatches, stdlib_text
+from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest
-from tests.conftest import TINY_GPT
 
 MANIFEST = RunManifest(run_id="dash", model="tiny-gpt", num_blocks=4, stage_bounds=(0, 2, 4))
 A = "12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA1"
@@ -26,6 +25,12 @@ C = "12D3KooWCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC3"
 
 def stage_peer(peer_id: str, stage: int, **kw) -> PeerRecord:
     return PeerRecord(peer_id=peer_id, role="stage", stage=stage, **kw)
+
+
+def point(step: int, t: float, trainer: str = "trainer", **kw) -> TrainerPoint:
+    kw.setdefault("loss", 3.0)
+    kw.setdefault("tokens_per_s", 1000.0)
+    return TrainerPoint(trainer=trainer, step=step, t=t, **kw)
 
 
 def kinds(events) -> list[tuple[str, str]]:
@@ -52,7 +57,7 @@ def test_state_change_stage_move_and_step_completion_are_events():
     events = view.update(
         [stage_peer(A, 0, step=4, state="draining"), stage_peer(B, 0, step=3)], MANIFEST, now=1.0
     )
-    assert kinds(events) == [("state", A), ("stage", B), ("step", "")]
+    assert kinds(events) == [("state", A), ("move", B), ("step", "")]
     assert "serving -> draining" in events[0].text
     assert "stage 1 to stage 0" in events[1].text
     assert events[2].text == "step 4 completed"
@@ -83,10 +88,13 @@ def test_history_and_event_log_are_bounded_and_gone_peers_are_forgotten():
     assert list(view.times) == [15.0, 16.0, 17.0, 18.0, 19.0]
     assert len(view.events) == 3
     assert all(len(s) <= 5 for s in view.peer_series.values())
+    view.add_trainer_point(point(1, 19.0, trainer=A))
     view.update([], MANIFEST, now=30.0)
     for t in range(31, 37):
         view.update([stage_peer(C, 1)], MANIFEST, now=float(t))
     assert set(view.peer_series) == {C}
+    assert view.trainer_series == {}  # a trainer silent for the whole history is forgotten
+    assert len(view.gone) <= view.config.max_gone
 
 
 def test_served_rate_and_trainer_points_reach_the_snapshot_as_json():
@@ -94,13 +102,103 @@ def test_served_rate_and_trainer_points_reach_the_snapshot_as_json():
     view.update([stage_peer(A, 0, served=10)], MANIFEST, now=0.0)
     view.update([stage_peer(A, 0, served=30)], MANIFEST, now=2.0)
     view.update([stage_peer(A, 0, served=5)], MANIFEST, now=3.0)  # the peer restarted: no negative rate
-    view.add_trainer_point(1, 5.5, 1200.0, now=2.0)
-    view.add_trainer_point(2, math.nan, 1300.0, now=3.0)
+    view.add_trainer_point(point(1, 2.0, loss=5.5, tokens_per_s=1200.0))
+    view.add_trainer_point(point(2, 3.0, loss=math.nan, tokens_per_s=1300.0))
     snap = json.loads(json.dumps(view.snapshot(), allow_nan=False))
     assert snap["series"]["peers"][A]["served_per_s"] == [0.0, 10.0, 0.0]
     assert snap["series"]["trainers"]["trainer"]["loss"] == [5.5, None]
     assert snap["manifest"]["stage_bounds"] == [0, 2, 4]
     assert snap["peers"][0]["peer_id"] == A
+
+
+def test_a_ban_marks_the_banned_peer_and_is_one_event():
+    view = SwarmView()
+    view.update([stage_peer(A, 0), stage_peer(B, 1)], MANIFEST, now=0.0)
+    events = view.update([stage_peer(A, 0, banned=(B,)), stage_peer(B, 1)], MANIFEST, now=1.0)
+    assert kinds(events) == [("ban", B)]
+    assert events[0].text.startswith(f"stage {A[-8:]}") and f"banned stage {B[-8:]}" in events[0].text
+    snap = view.snapshot()
+    banned = next(r for r in snap["peers"] if r["peer_id"] == B)
+    assert (banned["status"], banned["state"], banned["banned_by"]) == ("banned", "serving", [A])
+    assert [r["status"] for r in snap["stages"][1]["replicas"]] == ["banned"]
+    assert view.update([stage_peer(A, 0, banned=(B,)), stage_peer(B, 1)], MANIFEST, now=2.0) == []
+    view.update([stage_peer(A, 0), stage_peer(B, 1)], MANIFEST, now=3.0)  # the ban expired
+    assert [r["status"] for r in view.snapshot()["peers"]] == ["serving", "serving"]
+
+
+def test_replays_and_drops_are_events_and_a_point_seen_twice_counts_once():
+    view = SwarmView()
+    view.update([stage_peer(A, 0, replayed=1)], MANIFEST, now=0.0)  # no baseline yet: no event
+    events = view.update([stage_peer(A, 0, replayed=4)], MANIFEST, now=1.0)
+    assert kinds(events) == [("replay", A)] and "replayed 3 microbatch(es) (4 in all)" in events[0].text
+    assert view.add_trainer_point(point(1, 1.0, trainer=C)) == []
+    events = view.add_trainer_point(point(2, 2.0, trainer=C, replayed=2, dropped=1))
+    assert kinds(events) == [("replay", C), ("drop", C)]
+    assert view.add_trainer_point(point(2, 2.0, trainer=C, replayed=2, dropped=1)) == []
+    assert [p.step for p in view.trainer_series[C]] == [1, 2]
+    assert [e["kind"] for e in view.snapshot()["events"]][-3:] == ["replay", "replay", "drop"]
+
+
+def test_a_peer_that_left_stays_on_the_map_as_gone_for_a_while():
+    view = SwarmView(ViewConfig(leave_after_missing=1, gone_keep_s=10.0, max_gone=2))
+    view.update([stage_peer(A, 0), stage_peer(B, 0)], MANIFEST, now=0.0)
+    view.update([stage_peer(A, 0)], MANIFEST, now=1.0)
+    stage0 = view.stages()[0]
+    assert [(r["peer_id"], r["status"]) for r in stage0["replicas"]] == [(A, "serving"), (B, "gone")]
+    assert stage0["num_serving"] == 1
+    snap = view.snapshot()
+    assert [r["peer_id"] for r in snap["peers"]] == [A]
+    assert [(r["peer_id"], r["left_at"]) for r in snap["gone"]] == [(B, 1.0)]
+    assert kinds(view.update([stage_peer(A, 0), stage_peer(B, 0)], MANIFEST, now=2.0)) == [("join", B)]
+    assert view.gone == {}  # back: live again
+    view.update([stage_peer(A, 0)], MANIFEST, now=3.0)
+    view.update([stage_peer(C, 1)], MANIFEST, now=4.0)  # A leaves too
+    view.update([], MANIFEST, now=5.0)  # and C: three gone, two kept
+    assert [r["peer_id"] for r in view.snapshot()["gone"]] == [C, A]
+    view.update([], MANIFEST, now=20.0)
+    assert view.gone == {} and view.stages()[0]["replicas"] == []
+
+
+def test_wire_rates_compression_and_memory_reach_the_snapshot():
+    cap = {"memory_bytes": 2**30, "flops_per_s": 1e12, "device_name": "Xeon"}
+    view = SwarmView()
+    view.update(
+        [stage_peer(A, 0, bytes_sent=1000, raw_bytes_sent=4000, capacity=cap), stage_peer(B, 1)],
+        MANIFEST,
+        now=0.0,
+    )
+    a = stage_peer(A, 0, bytes_sent=3000, raw_bytes_sent=12000, memory_used_bytes=2**20, capacity=cap)
+    view.update([a, stage_peer(B, 1, bytes_sent=1000, raw_bytes_sent=1000)], MANIFEST, now=2.0)
+    assert list(view.bytes_sent_per_s) == [0.0, 1500.0]  # A: 1000/s, B: 500/s
+    assert list(view.raw_bytes_sent_per_s) == [0.0, 4500.0]
+    peers = {r["peer_id"]: r for r in view.snapshot()["peers"]}
+    assert peers[A]["compression"] == 4.0 and peers[B]["compression"] == 1.0
+    assert (peers[A]["memory_used_bytes"], peers[A]["memory_total_bytes"]) == (2**20, 2**30)
+    assert peers[A]["bytes_sent_per_s"] == 1000.0
+    assert view.snapshot()["series"]["peers"][A]["bytes_sent_per_s"] == [0.0, 1000.0]
+
+
+def test_a_view_started_late_shows_the_swarm_as_it_is_and_matches_the_api_model():
+    """A coordinator (or `swarmtrain status`) that starts mid-run sees everything on its first poll."""
+    from swarmtrain.peers.dashboard.api import SwarmSnapshot
+
+    records = [
+        stage_peer(A, 0, served=40, step=7, queue_depth=2, service_s=0.05, replayed=3, banned=(B,)),
+        stage_peer(B, 1, served=38, step=7, failed=1, bytes_sent=10, bytes_received=20, raw_bytes_sent=40),
+        PeerRecord(peer_id=C, role="coordinator"),
+    ]
+    view = SwarmView()
+    events = view.update(records, MANIFEST, now=100.0)
+    assert sorted(e.kind for e in events) == ["ban", "join", "join", "join"]  # no replay, no step
+    view.add_trainer_point(point(7, 99.0, completed=28, window=4))
+    snap = json.loads(json.dumps(view.snapshot(), allow_nan=False))
+    SwarmSnapshot.model_validate(snap)
+    peers = {r["peer_id"]: r for r in snap["peers"]}
+    assert (peers[A]["served"], peers[A]["queue_depth"], peers[A]["replayed"]) == (40, 2, 3)
+    assert peers[B]["status"] == "banned" and peers[B]["compression"] == 4.0
+    assert snap["trainers"][0]["completed"] == 28 and snap["trainers"][0]["window"] == 4
+    present = view.snapshot(with_history=False)
+    assert "series" not in present and "events" not in present
 
 
 def test_a_view_without_manifest_has_peers_but_no_map():
@@ -135,8 +233,9 @@ def swarm_json(dash: DashboardThread) -> dict:
 
 
 class FakeNode:
-    def __init__(self, records: list[PeerRecord]):
+    def __init__(self, records: list[PeerRecord], points: list[TrainerPoint] = ()):
         self.records = records
+        self.points = list(points)
 
     def get_manifest(self, run_id: str) -> RunManifest:
         return MANIFEST
@@ -145,11 +244,15 @@ class FakeNode:
         return list(self.records)
 
     def trainer_points(self, run_id: str) -> list[dict]:
-        return []
+        return [p.to_dict() for p in self.points] + [{"not": "a point"}]
 
 
 def test_routes_serve_page_plotly_json_events_and_metrics():
-    node = FakeNode([stage_peer(A, 0, served=7, step=2), stage_peer(B, 1, served=7, step=2)])
+    busy = {"queue_depth": 3, "service_s": 0.25, "replayed": 2, "failed": 1, "bytes_sent": 4096}
+    trainer = point(2, 1.0, trainer=C, completed=8, dropped=1)
+    node = FakeNode(
+        [stage_peer(A, 0, served=7, step=2, **busy), stage_peer(B, 1, served=7, step=2)], [trainer]
+    )
     with DashboardThread(node, "dash", DashboardConfig(poll_s=0.1)) as dash:
         assert dash.url.startswith("http://127.0.0.1:")
         wait_for(lambda: len(swarm_json(dash)["peers"]) == 2, 10, "two peers in /api/swarm")
@@ -161,6 +264,19 @@ def test_routes_serve_page_plotly_json_events_and_metrics():
         assert 'swarmtrain_stage_peers{run="dash",stage="0"} 1.0' in text
         assert f'swarmtrain_peer_served_microbatches{{peer_id="{A}",run="dash",stage="0"}} 7.0' in text
         assert 'swarmtrain_step{run="dash"} 2.0' in text
+        labels = f'{{peer_id="{A}",run="dash",stage="0"}}'
+        for metric, value in [
+            ("swarmtrain_peer_queue_depth", 3.0),
+            ("swarmtrain_peer_service_seconds", 0.25),
+            ("swarmtrain_peer_replayed_microbatches_total", 2.0),
+            ("swarmtrain_peer_failed_requests_total", 1.0),
+            ("swarmtrain_peer_sent_bytes_total", 4096.0),
+            ("swarmtrain_peer_received_bytes_total", 0.0),
+            ("swarmtrain_peer_banned", 0.0),
+        ]:
+            assert f"{metric}{labels} {value}" in text, metric
+        assert f'swarmtrain_trainer_dropped_microbatches_total{{run="dash",trainer="{C}"}} 1.0' in text
+        assert f'swarmtrain_trainer_loss{{run="dash",trainer="{C}"}} 3.0' in text
         with urllib.request.urlopen(dash.url + "/api/events", timeout=5) as stream:
             assert "text/event-stream" in stream.headers["Content-Type"]
             data = next(line for line in stream if line.startswith(b"data: "))
@@ -173,61 +289,25 @@ def test_routes_serve_page_plotly_json_events_and_metrics():
         assert wait_for(left, 10, "B leaving") == [B]
 
 
+def test_openapi_documents_the_json_api_and_metrics():
+    with DashboardThread(FakeNode([]), "dash") as dash:
+        spec = json.loads(get(dash.url + "/openapi.json")[1])
+    paths = spec["paths"]
+    assert set(paths) == {"/api/swarm", "/api/events", "/metrics"}  # the page and plotly.js are not API
+    swarm = paths["/api/swarm"]["get"]
+    assert swarm["description"] and swarm["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/SwarmSnapshot"
+    }
+    assert "text/event-stream" in paths["/api/events"]["get"]["responses"]["200"]["content"]
+    assert "swarmtrain_peer_queue_depth" in paths["/metrics"]["get"]["description"]
+    schemas = spec["components"]["schemas"]
+    assert {"SwarmSnapshot", "PeerView", "StageView", "TrainerView", "EventView"} <= set(schemas)
+    documented = set(schemas["PeerView"]["properties"])
+    missing = {f.name for f in dataclasses.fields(PeerRecord)} - documented
+    assert not missing, f"PeerRecord fields {sorted(missing)} are not in peers/dashboard/api.py PeerView"
+    assert "compression" in documented
+
+
 def test_a_taken_port_is_a_clear_error():
     with DashboardThread(FakeNode([]), "dash") as dash, pytest.raises(SwarmError, match="--dashboard-port"):
         DashboardThread(FakeNode([]), "dash", DashboardConfig(port=dash.port))
-
-
-# a real swarm behind it
-
-
-@pytest.mark.swarm
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_dashboard_follows_a_real_swarm(local_swarm):
-    swarm = local_swarm(run_id="dash", model_config=TINY_GPT, num_stages=2)
-    node = SwarmNode(NodeConfig(initial_peers=(swarm.address,)))
-    dash = DashboardThread(node, "dash", DashboardConfig(poll_s=0.5))
-    try:
-
-        def stage_peers() -> dict[int, str]:
-            view = swarm_json(dash)
-            return {r["stage"]: r["peer_id"] for r in view["peers"] if r["role"] == "stage"}
-
-        peers = wait_for(
-            lambda: len(stage_peers()) == 2 and stage_peers(), 30, "both stage peers in /api/swarm"
-        )
-        view = swarm_json(dash)
-        assert view["manifest"]["num_stages"] == 2
-        assert [len(s["replicas"]) for s in view["stages"]] == [1, 1]
-        _, text = get(dash.url + "/metrics")
-        assert 'swarmtrain_stage_peers{run="dash",stage="1"} 1.0' in text
-        assert "swarmtrain_peer_served_microbatches{" in text and 'swarmtrain_step{run="dash"}' in text
-
-        # A trainer's steps reach the loss and tokens/s charts through the DHT.
-        with swarm.trainer() as trainer:
-            data = TokenBatches(stdlib_text(2**20), seq_len=TINY_GPT["seq_len"], microbatch_size=8, seed=0)
-            results = list(trainer.train(data, steps=2))
-            trainer_id = trainer.node.peer_id
-
-        def trainer_series() -> dict:
-            return swarm_json(dash)["series"]["trainers"].get(trainer_id, {})
-
-        # The dashboard samples each trainer's latest point (every poll_s), so it sees step 1 last.
-        wait_for(
-            lambda: trainer_series().get("step", [None])[-1] == 1,
-            30,
-            "the trainer's last step on the dashboard",
-        )
-        assert trainer_series()["loss"][-1] == pytest.approx(results[-1].loss)
-
-        swarm.signal("stage1-2", signal.SIGKILL)
-        ttl_s = 6.0  # StageConfig.ttl_s, the default `swarmtrain join` runs with
-        wait_for(
-            lambda: 1 not in stage_peers(), ttl_s + 15, "the killed stage-1 peer leaving", interval_s=0.5
-        )
-        events = swarm_json(dash)["events"]
-        assert ("leave", peers[1]) in [(e["kind"], e["peer_id"]) for e in events]
-    finally:
-        dash.stop()
-        node.shutdown()

@@ -5,9 +5,10 @@ Routes (all GET, nothing writes to the swarm):
 | path                  | what                                                          |
 |-----------------------|---------------------------------------------------------------|
 | `/`                   | the page: swarm map, live charts, peer table, event log       |
-| `/api/swarm`          | `SwarmView.snapshot()` as JSON                                |
+| `/api/swarm`          | `SwarmView.snapshot()` as JSON (model: api.SwarmSnapshot)     |
 | `/api/events`         | server-sent events: the snapshot again whenever it changes    |
-| `/metrics`            | Prometheus text: peers per stage, served microbatches, steps  |
+| `/metrics`            | Prometheus text (see prometheus.py): per stage, peer, trainer |
+| `/openapi.json`       | the API's OpenAPI schema                                      |
 | `/static/plotly.min.js` | plotly.js from the `plotly` package (no CDN, works offline) |
 """
 
@@ -25,14 +26,23 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, Response, StreamingResponse
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from hivemind.utils import get_dht_time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 
+import swarmtrain
 from swarmtrain.errors import ConfigError, SwarmError
+from swarmtrain.peers.dashboard.api import SwarmSnapshot
 from swarmtrain.peers.dashboard.config import DashboardConfig
 from swarmtrain.peers.dashboard.page import PAGE
+from swarmtrain.peers.dashboard.prometheus import PEER_COUNTERS, PEER_GAUGES, SwarmCollector
 from swarmtrain.peers.dashboard.state import SwarmView
 from swarmtrain.swarm import SwarmNode
 from swarmtrain.wire.metrics import TrainerPoint
@@ -51,54 +61,6 @@ def plotly_js_path() -> Path:
     return path
 
 
-class _SwarmCollector:
-    """Prometheus collector that reads the view at scrape time (no state of its own)."""
-
-    def __init__(self, view_provider: Callable[[], SwarmView]):
-        self.view_provider = view_provider
-
-    def collect(self):
-        view = self.view_provider().snapshot()
-        run = view["manifest"]["run_id"] if view["manifest"] else ""
-        peers = GaugeMetricFamily(
-            "swarmtrain_stage_peers", "Serving stage peers per stage", labels=["run", "stage"]
-        )
-        for s in view["stages"]:
-            peers.add_metric([run, str(s["stage"])], s["num_serving"])
-        served = GaugeMetricFamily(
-            "swarmtrain_peer_served_microbatches",
-            "Microbatches a peer has served since it started",
-            labels=["run", "peer_id", "stage"],
-        )
-        peer_step = GaugeMetricFamily(
-            "swarmtrain_peer_step",
-            "Optimizer step a peer's parameters are at",
-            labels=["run", "peer_id", "stage"],
-        )
-        for r in view["peers"]:
-            if r["role"] == "stage":
-                served.add_metric([run, r["peer_id"], str(r["stage"])], r["served"])
-                peer_step.add_metric([run, r["peer_id"], str(r["stage"])], r["step"])
-        step = GaugeMetricFamily(
-            "swarmtrain_step", "Furthest optimizer step of any stage peer", labels=["run"]
-        )
-        step.add_metric([run], view["series"]["step"][-1] if view["series"]["step"] else 0)
-        loss = GaugeMetricFamily(
-            "swarmtrain_trainer_loss", "Last loss a trainer reported", labels=["run", "trainer"]
-        )
-        tokens = GaugeMetricFamily(
-            "swarmtrain_trainer_tokens_per_second",
-            "Last throughput a trainer reported",
-            labels=["run", "trainer"],
-        )
-        for name, s in view["series"]["trainers"].items():
-            if s["t"]:
-                if s["loss"][-1] is not None:
-                    loss.add_metric([run, name], s["loss"][-1])
-                tokens.add_metric([run, name], s["tokens_per_s"][-1])
-        yield from (peers, served, peer_step, step, loss, tokens)
-
-
 def _sse(view: dict) -> str:
     return f"id: {view['version']}\ndata: {json.dumps(view, allow_nan=False)}\n\n"
 
@@ -106,24 +68,49 @@ def _sse(view: dict) -> str:
 def create_app(view_provider: Callable[[], SwarmView], *, stream_interval_s: float = 1.0) -> FastAPI:
     """The read-only dashboard app. `view_provider()` returns the SwarmView to show; it is
     called on every request, so the caller may swap views."""
-    app = FastAPI(title="swarmtrain dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="swarmtrain dashboard",
+        description="Read-only view of one swarmtrain run, built from its DHT records. Nothing here "
+        "writes to the swarm.",
+        version=swarmtrain.__version__,
+        docs_url=None,  # the Swagger and ReDoc pages load their scripts from a CDN; /openapi.json is enough
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_SwarmCollector(view_provider))
+    registry.register(SwarmCollector(view_provider))
     plotly_js = plotly_js_path()
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def page() -> str:
         return PAGE
 
-    @app.get("/static/plotly.min.js")
+    @app.get("/static/plotly.min.js", include_in_schema=False)
     def plotly() -> FileResponse:
         return FileResponse(plotly_js, media_type="application/javascript")
 
-    @app.get("/api/swarm")
-    def swarm() -> dict:
-        return view_provider().snapshot()
+    @app.get(
+        "/api/swarm",
+        response_model=SwarmSnapshot,
+        summary="The swarm now and its recent history",
+        description="Run manifest, swarm map (stages, block spans, replicas and their states), peers "
+        "with their counters, trainers' latest points, bounded time series and the event log.",
+    )
+    def swarm() -> JSONResponse:
+        return JSONResponse(view_provider().snapshot())  # the model documents it; tests hold them equal
 
-    @app.get("/api/events")
+    @app.get(
+        "/api/events",
+        response_class=StreamingResponse,
+        summary="Live updates (server-sent events)",
+        description="A text/event-stream: a `data:` message with the same JSON as /api/swarm whenever "
+        f"the view changed, checked every {stream_interval_s:g} s, and a comment line otherwise.",
+        responses={
+            200: {
+                "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/SwarmSnapshot"}}}
+            }
+        },
+    )
     async def events(request: Request) -> StreamingResponse:
         async def stream():
             yield f"retry: {int(stream_interval_s * 1000)}\n\n"
@@ -141,7 +128,15 @@ def create_app(view_provider: Callable[[], SwarmView], *, stream_interval_s: flo
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        summary="Prometheus metrics",
+        description="Prometheus text format. Per stage: swarmtrain_stage_peers. Per peer (labels run, "
+        "peer_id, stage): "
+        + ", ".join([*PEER_GAUGES, *(f"{name}_total" for name in PEER_COUNTERS)])
+        + ", swarmtrain_peer_banned. Per trainer: loss, tokens/s, window and microbatch counters.",
+    )
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -179,7 +174,6 @@ class DashboardThread:
         )
         self._server = uvicorn.Server(server_config)
         self._stopped = threading.Event()
-        self._last_trainer_step: dict[str, int] = {}
         self._serve_thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="dashboard-http", daemon=True
         )
@@ -208,11 +202,7 @@ class DashboardThread:
             except ConfigError as e:
                 logger.debug("dashboard: ignoring a malformed trainer point: %s", e)
                 continue
-            if point.step > self._last_trainer_step.get(point.trainer, -1):
-                self._last_trainer_step[point.trainer] = point.step
-                self.view.add_trainer_point(
-                    point.step, point.loss, point.tokens_per_s, now=point.t, trainer=point.trainer
-                )
+            self.view.add_trainer_point(point)  # the view skips a point it has seen
 
     def _poll(self) -> None:
         while not self._stopped.is_set():

@@ -2,8 +2,15 @@
 
 `SwarmView.update(records, manifest, now)` takes one poll of `{run}.peers` and `{run}.manifest`
 and turns the difference from the previous poll into events (joins, leaves, state changes,
-stage moves, completed steps) and into one point of each bounded time series. No I/O and no
+stage moves, bans, replays, completed steps) and into one point of each bounded time series;
+`add_trainer_point()` takes a trainer's `TrainerPoint` from `{run}.trainers`. No I/O and no
 clock of its own: the caller passes `now`, so tests drive it with plain data.
+
+A peer's display state (`status` in the snapshot) is its own state (joining, serving,
+draining), except `banned` while another live peer lists it in its `banned`, and `gone` for
+a while after it left. Everything kept is bounded: series by `history_len` points, the log
+by `events_len`, gone peers by `gone_keep_s` and `max_gone`, forgotten peers' and trainers'
+series once they age out of the history.
 
 The view is read from the web server's thread while the poller writes it; one lock guards it.
 """
@@ -19,7 +26,8 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
-EVENT_KINDS = ("join", "leave", "state", "stage", "step")
+EVENT_KINDS = ("join", "leave", "state", "move", "ban", "replay", "drop", "step")
+DISPLAY_STATES = ("joining", "serving", "draining", "banned", "gone")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,12 +40,18 @@ class ViewConfig:
     """Events kept in the log, newest last."""
     leave_after_missing: int = 2
     """Consecutive polls a peer must be missing from before it counts as gone (one DHT read can miss)."""
+    gone_keep_s: float = 120.0
+    """Seconds a peer that left stays on the map (greyed, as 'gone')."""
+    max_gone: int = 64
+    """Gone peers kept at most, the oldest dropped first (bounds the map under heavy churn)."""
 
     def __post_init__(self):
-        for name in ("history_len", "events_len", "leave_after_missing"):
+        for name in ("history_len", "events_len", "leave_after_missing", "max_gone"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"dashboard {name} must be a positive integer, got {value!r}")
+        if not self.gone_keep_s >= 0:
+            raise ConfigError(f"dashboard gone_keep_s must be >= 0, got {self.gone_keep_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,26 +73,53 @@ class Event:
 
 @dataclass(frozen=True, kw_only=True)
 class PeerPoint:
-    """One poll of one peer's counters."""
+    """One poll of one peer's counters, with its rates since the peer's previous point (0 for its first)."""
 
     t: float
     served: int
     step: int
+    bytes_sent: int
+    raw_bytes_sent: int
     served_per_s: float
-    """Microbatches per second since this peer's previous point (0 for its first)."""
+    bytes_sent_per_s: float
+    """Tensor bytes per second this peer put on the wire (after compression)."""
+    raw_bytes_sent_per_s: float
+    """The same bytes before compression."""
+
+
+def rate(new: int, old: int, dt_s: float) -> float:
+    """Growth per second of a counter; 0 when time did not advance or the counter was reset (a restart)."""
+    return (new - old) / dt_s if dt_s > 0 and new >= old else 0.0
 
 
 def _short(peer_id: str) -> str:
     return peer_id[-8:]
 
 
-def _finite(x: float) -> float | None:
+def finite(x: float) -> float | None:
     return x if math.isfinite(x) else None  # JSON has no NaN; a diverged loss shows as a gap
 
 
 def _describe(r: PeerRecord) -> str:
     where = f"stage {r.stage}" if r.role == "stage" else r.role
     return f"{r.role} {_short(r.peer_id)} ({where}, {r.device})"
+
+
+def _changes(old: PeerRecord | None, r: PeerRecord, now: float) -> list[Event]:
+    """The events one peer's new record makes against its previous one."""
+    if old is None:
+        return [Event(t=now, kind="join", peer_id=r.peer_id, text=f"{_describe(r)} joined")]
+    out = []
+    if old.state != r.state:
+        text = f"{_describe(r)}: {old.state} -> {r.state}"
+        out.append(Event(t=now, kind="state", peer_id=r.peer_id, text=text))
+    if old.stage != r.stage:
+        text = f"{r.role} {_short(r.peer_id)} moved from stage {old.stage} to stage {r.stage} (rebalance)"
+        out.append(Event(t=now, kind="move", peer_id=r.peer_id, text=text))
+    if r.replayed > old.replayed:
+        text = f"{_describe(r)} replayed {r.replayed - old.replayed} microbatch(es) ({r.replayed} in all)"
+        out.append(Event(t=now, kind="replay", peer_id=r.peer_id, text=text))
+    return out
 
 
 class SwarmView:
@@ -91,16 +132,24 @@ class SwarmView:
         self.peers: dict[str, PeerRecord] = {}
         """Peers currently in the swarm (including ones missing from fewer than `leave_after_missing` polls)."""
         self._missing: dict[str, int] = {}
+        self.gone: dict[str, tuple[PeerRecord, float]] = {}
+        """Peers that left, with the time they were seen leaving, oldest first."""
+        self.banned_by: dict[str, tuple[str, ...]] = {}
+        """Peer id -> the live peers that ban it now."""
         self.events: deque[Event] = deque(maxlen=self.config.events_len)
-        self.times: deque[float] = deque(maxlen=self.config.history_len)
-        """Time of each swarm-level point; `peers_per_stage` and `step` are aligned with it."""
-        self.peers_per_stage: deque[tuple[int, ...]] = deque(maxlen=self.config.history_len)
-        self.step: deque[int] = deque(maxlen=self.config.history_len)
+        n = self.config.history_len
+        self.times: deque[float] = deque(maxlen=n)
+        """Time of each swarm-level point; the other swarm series are aligned with it."""
+        self.peers_per_stage: deque[tuple[int, ...]] = deque(maxlen=n)
+        self.step: deque[int] = deque(maxlen=n)
+        self.bytes_sent_per_s: deque[float] = deque(maxlen=n)
+        """Sum over stage peers of their bytes_sent rate: the swarm's traffic on the wire."""
+        self.raw_bytes_sent_per_s: deque[float] = deque(maxlen=n)
         self.peer_series: dict[str, deque[PeerPoint]] = {}
         self.trainer_series: dict[str, deque[TrainerPoint]] = {}
         self._max_step = -1
         self.version = 0
-        """Bumped by every update; lets the event stream skip unchanged views."""
+        """Bumped by every change; lets the event stream skip unchanged views."""
 
     # writing
 
@@ -111,27 +160,24 @@ class SwarmView:
             if manifest is not None:
                 self.manifest = manifest
             seen = {r.peer_id: r for r in records}
+            sent = raw = 0.0
             for peer_id, r in seen.items():
                 self._missing.pop(peer_id, None)
-                old = self.peers.get(peer_id)
-                if old is None:
-                    new.append(Event(t=now, kind="join", peer_id=peer_id, text=f"{_describe(r)} joined"))
-                else:
-                    if old.state != r.state:
-                        text = f"{_describe(r)}: {old.state} -> {r.state}"
-                        new.append(Event(t=now, kind="state", peer_id=peer_id, text=text))
-                    if old.stage != r.stage:
-                        text = f"{r.role} {_short(peer_id)} moved from stage {old.stage} to stage {r.stage}"
-                        new.append(Event(t=now, kind="stage", peer_id=peer_id, text=text))
+                self.gone.pop(peer_id, None)
+                new += _changes(self.peers.get(peer_id), r, now)
                 self.peers[peer_id] = r
                 if r.role == "stage":  # only stage peers serve microbatches
-                    self._add_peer_point(r, now)
+                    point = self._add_peer_point(r, now)
+                    sent, raw = sent + point.bytes_sent_per_s, raw + point.raw_bytes_sent_per_s
             for peer_id in [p for p in self.peers if p not in seen]:
                 self._missing[peer_id] = self._missing.get(peer_id, 0) + 1
                 if self._missing[peer_id] >= self.config.leave_after_missing:
                     r = self.peers.pop(peer_id)
                     del self._missing[peer_id]
+                    self.gone[peer_id] = (r, now)
                     new.append(Event(t=now, kind="leave", peer_id=peer_id, text=f"{_describe(r)} left"))
+            self._expire_gone(now)
+            new += self._update_bans(now)
             stage_steps = [r.step for r in self.peers.values() if r.role == "stage"]
             step = max(stage_steps, default=0)
             if stage_steps and step > self._max_step:
@@ -141,27 +187,73 @@ class SwarmView:
             self.times.append(now)
             self.peers_per_stage.append(self._count_per_stage())
             self.step.append(step)
+            self.bytes_sent_per_s.append(sent)
+            self.raw_bytes_sent_per_s.append(raw)
             self._forget_old_series()
             self.events.extend(new)
             self.version += 1
             return new
 
-    def add_trainer_point(
-        self, step: int, loss: float, tokens_per_s: float, *, now: float, trainer: str = "trainer"
-    ) -> None:
-        """Record one optimizer step as a trainer saw it (the hook for trainer-side metrics)."""
-        point = TrainerPoint(trainer=trainer, step=step, loss=loss, tokens_per_s=tokens_per_s, t=now)
+    def add_trainer_point(self, point: TrainerPoint) -> list[Event]:
+        """Record one optimizer step as a trainer saw it; a point already seen (same or older
+        `t`) is ignored. Returns the events it made (replays, drops), also appended to the log."""
         with self._lock:
-            series = self.trainer_series.setdefault(trainer, deque(maxlen=self.config.history_len))
+            series = self.trainer_series.setdefault(point.trainer, deque(maxlen=self.config.history_len))
+            last = series[-1] if series else None
+            if last is not None and point.t <= last.t:
+                return []
+            new = []
+            who = f"trainer {_short(point.trainer)}"
+            if last is not None and point.replayed > last.replayed:
+                text = f"{who} replayed {point.replayed - last.replayed} microbatch(es) ({point.replayed} in all)"
+                new.append(Event(t=point.t, kind="replay", peer_id=point.trainer, text=text))
+            if last is not None and point.dropped > last.dropped:
+                text = f"{who} dropped {point.dropped - last.dropped} microbatch(es) ({point.dropped} in all)"
+                new.append(Event(t=point.t, kind="drop", peer_id=point.trainer, text=text))
             series.append(point)
+            self.events.extend(new)
             self.version += 1
+            return new
 
-    def _add_peer_point(self, r: PeerRecord, now: float) -> None:
+    def _add_peer_point(self, r: PeerRecord, now: float) -> PeerPoint:
         series = self.peer_series.setdefault(r.peer_id, deque(maxlen=self.config.history_len))
-        rate = 0.0
-        if series and now > series[-1].t and r.served >= series[-1].served:  # a restart resets `served`
-            rate = (r.served - series[-1].served) / (now - series[-1].t)
-        series.append(PeerPoint(t=now, served=r.served, step=r.step, served_per_s=rate))
+        if series:
+            last, dt = series[-1], now - series[-1].t
+            rates = (
+                rate(r.served, last.served, dt),
+                rate(r.bytes_sent, last.bytes_sent, dt),
+                rate(r.raw_bytes_sent, last.raw_bytes_sent, dt),
+            )
+        else:
+            rates = (0.0, 0.0, 0.0)
+        point = PeerPoint(
+            t=now, served=r.served, step=r.step, bytes_sent=r.bytes_sent, raw_bytes_sent=r.raw_bytes_sent,
+            served_per_s=rates[0], bytes_sent_per_s=rates[1], raw_bytes_sent_per_s=rates[2],
+        )  # fmt: skip
+        series.append(point)
+        return point
+
+    def _update_bans(self, now: float) -> list[Event]:
+        """Recompute who bans whom from the live peers' records; a newly listed pair is a 'ban' event."""
+        before = {(banner, banned) for banned, banners in self.banned_by.items() for banner in banners}
+        pairs = sorted((r.peer_id, banned) for r in self.peers.values() for banned in r.banned)
+        by: dict[str, list[str]] = {}
+        for banner, banned in pairs:
+            by.setdefault(banned, []).append(banner)
+        self.banned_by = {banned: tuple(banners) for banned, banners in by.items()}
+        new = []
+        for banner, banned in pairs:
+            if (banner, banned) not in before:
+                target = self.peers.get(banned)
+                whom = _describe(target) if target else _short(banned)
+                text = f"{_describe(self.peers[banner])} banned {whom}"
+                new.append(Event(t=now, kind="ban", peer_id=banned, text=text))
+        return new
+
+    def _expire_gone(self, now: float) -> None:
+        for peer_id, (_, left_at) in list(self.gone.items()):
+            if now - left_at > self.config.gone_keep_s or len(self.gone) > self.config.max_gone:
+                del self.gone[peer_id]
 
     def _count_per_stage(self) -> tuple[int, ...]:
         num_stages = self.manifest.num_stages if self.manifest else 0
@@ -172,10 +264,13 @@ class SwarmView:
         return tuple(counts)
 
     def _forget_old_series(self) -> None:
-        """Drop the series of gone peers once their last point has aged out of the swarm history."""
+        """Drop the series of gone peers and silent trainers once their last point has aged out
+        of the swarm history."""
         oldest = self.times[0]
         for peer_id in [p for p, s in self.peer_series.items() if p not in self.peers and s[-1].t < oldest]:
             del self.peer_series[peer_id]
+        for name in [n for n, s in self.trainer_series.items() if not s or s[-1].t < oldest]:
+            del self.trainer_series[name]
 
     # reading
 
@@ -190,24 +285,38 @@ class SwarmView:
         columns = []
         for k in range(self.manifest.num_stages):
             start, end = self.manifest.stage_span(k)
-            replicas = sorted(
+            live = sorted(
                 (r for r in self.peers.values() if r.role == "stage" and r.stage == k),
                 key=lambda r: (r.since, r.peer_id),
             )
+            gone = [(r, t) for r, t in self.gone.values() if r.role == "stage" and r.stage == k]
             columns.append(
                 {
                     "stage": k,
                     "blocks": [start, end],
-                    "num_serving": sum(r.state == "serving" for r in replicas),
-                    "replicas": [self._peer_dict(r) for r in replicas],
+                    "num_serving": sum(r.state == "serving" for r in live),
+                    "replicas": [self._peer_dict(r) for r in live]
+                    + [self._peer_dict(r, left_at=t) for r, t in gone],
                 }
             )
         return columns
 
-    def _peer_dict(self, r: PeerRecord) -> dict:
+    def _peer_dict(self, r: PeerRecord, *, left_at: float | None = None) -> dict:
+        """A peer record as the page and `swarmtrain status` show it: the record's fields plus
+        its display state, who bans it, its rates and its compression ratio."""
         series = self.peer_series.get(r.peer_id)
-        rate = series[-1].served_per_s if series else 0.0
-        return r.to_dict() | {"served_per_s": rate, "missing_polls": self._missing.get(r.peer_id, 0)}
+        last = series[-1] if series and left_at is None else None
+        status = "gone" if left_at is not None else "banned" if r.peer_id in self.banned_by else r.state
+        return r.to_dict() | {
+            "status": status,
+            "banned_by": list(self.banned_by.get(r.peer_id, ())),
+            "served_per_s": last.served_per_s if last else 0.0,
+            "bytes_sent_per_s": last.bytes_sent_per_s if last else 0.0,
+            "compression": r.raw_bytes_sent / r.bytes_sent if r.raw_bytes_sent and r.bytes_sent else None,
+            "memory_total_bytes": r.capacity.get("memory_bytes") or None,
+            "missing_polls": self._missing.get(r.peer_id, 0),
+            "left_at": left_at,
+        }
 
     def _manifest_summary(self) -> dict | None:
         m = self.manifest
@@ -223,6 +332,7 @@ class SwarmView:
             "batch": m.batch.to_dict(),
             "optimizer": m.optimizer.to_dict(),
             "max_steps": m.max_steps,
+            "schedule": m.schedule,
         }
 
     def _series(self) -> dict:
@@ -230,11 +340,14 @@ class SwarmView:
             "t": list(self.times),
             "peers_per_stage": [list(c) for c in self.peers_per_stage],
             "step": list(self.step),
+            "bytes_sent_per_s": list(self.bytes_sent_per_s),
+            "raw_bytes_sent_per_s": list(self.raw_bytes_sent_per_s),
             "peers": {
                 peer_id: {
                     "t": [p.t for p in s],
                     "served": [p.served for p in s],
                     "served_per_s": [p.served_per_s for p in s],
+                    "bytes_sent_per_s": [p.bytes_sent_per_s for p in s],
                     "step": [p.step for p in s],
                 }
                 for peer_id, s in self.peer_series.items()
@@ -243,17 +356,27 @@ class SwarmView:
                 name: {
                     "t": [p.t for p in s],
                     "step": [p.step for p in s],
-                    "loss": [_finite(p.loss) for p in s],
+                    "loss": [finite(p.loss) for p in s],
                     "tokens_per_s": [p.tokens_per_s for p in s],
+                    "completed": [p.completed for p in s],
+                    "replayed": [p.replayed for p in s],
+                    "dropped": [p.dropped for p in s],
+                    "window": [p.window for p in s],
                 }
                 for name, s in self.trainer_series.items()
             },
         }
 
-    def snapshot(self) -> dict:
-        """Everything `/api/swarm` serves, as JSON-ready primitives."""
+    def _trainers(self) -> list[dict]:
+        """The latest point of each trainer, most recent first."""
+        latest = sorted((s[-1] for s in self.trainer_series.values() if s), key=lambda p: -p.t)
+        return [p.to_dict() | {"loss": finite(p.loss)} for p in latest]
+
+    def snapshot(self, *, with_history: bool = True) -> dict:
+        """Everything `/api/swarm` serves, as JSON-ready primitives; without `with_history`,
+        only the present (no series, no events): what `swarmtrain status` prints."""
         with self._lock:
-            return {
+            out = {
                 "version": self.version,
                 "updated_at": self.times[-1] if self.times else None,
                 "manifest": self._manifest_summary(),
@@ -262,6 +385,10 @@ class SwarmView:
                     self._peer_dict(r)
                     for r in sorted(self.peers.values(), key=lambda r: (r.role, r.stage, r.peer_id))
                 ],
-                "series": self._series(),
-                "events": [e.to_dict() for e in self.events],
+                "gone": [self._peer_dict(r, left_at=t) for r, t in reversed(self.gone.values())],
+                "trainers": self._trainers(),
             }
+            if with_history:
+                out["series"] = self._series()
+                out["events"] = [e.to_dict() for e in self.events]
+            return out

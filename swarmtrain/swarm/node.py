@@ -113,6 +113,9 @@ class NodeConfig:
     """TCP port to listen on; 0 picks a free one."""
     announce_host: str | None = None
     """Address other peers should dial, if it differs from `host` (behind NAT, 0.0.0.0)."""
+    client_mode: bool = False
+    """Read and write the DHT without serving it to others (a short-lived reader such as
+    `swarmtrain status`); needs `initial_peers`."""
 
     def __post_init__(self):
         object.__setattr__(self, "initial_peers", check_initial_peers(self.initial_peers))
@@ -121,6 +124,8 @@ class NodeConfig:
             check_host(self.announce_host, "announce host")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be in 0..65535 (0 picks a free port), got {self.port}")
+        if self.client_mode and not self.initial_peers:
+            raise ConfigError("a DHT client needs --initial-peers: the address of a peer in the swarm")
 
 
 def _explain_daemon_error(e: Exception, cfg: NodeConfig) -> str:
@@ -160,6 +165,7 @@ class SwarmNode:
                 initial_peers=list(config.initial_peers) or None,
                 host_maddrs=host_maddrs,
                 announce_maddrs=announce,
+                client_mode=config.client_mode,
                 start=True,
             )
         except P2PDaemonError as e:

@@ -1,0 +1,142 @@
+"""The JSON API's response models: what `/api/swarm` (and each `/api/events` message) holds.
+
+They document the API in `/openapi.json`. The routes return `SwarmView.snapshot()` as it is,
+without validating it per request; the tests validate snapshots against these models, so the
+two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ManifestSummary(BaseModel):
+    """The run's manifest, as the coordinator published it."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    run_id: str
+    model: str = Field(description="Model builder: a registered name or 'package.module:function'.")
+    builder_options: dict = Field(alias="model_config", description="Keyword arguments of the builder.")
+    num_blocks: int
+    num_stages: int
+    stage_bounds: list[int] = Field(description="Stage k holds blocks [b[k], b[k+1]).")
+    batch: dict
+    optimizer: dict
+    max_steps: int = Field(description="Steps the run aims for (0: until stopped).")
+    schedule: str = Field(description="'readiness' or 'static'.")
+
+
+class PeerView(BaseModel):
+    """A peer's latest record (every field of `PeerRecord`) plus what the dashboard derives."""
+
+    model_config = ConfigDict(extra="allow")
+
+    peer_id: str
+    role: str = Field(description="coordinator, stage or trainer.")
+    stage: int = Field(description="Stage served; -1 for other roles.")
+    state: str = Field(description="What the peer says: joining, serving or draining.")
+    status: str = Field(description="What the map shows: joining, serving, draining, banned or gone.")
+    device: str
+    version: str = Field(description="swarmtrain version of the peer.")
+    since: float = Field(description="DHT time the peer started serving its stage.")
+    capacity: dict = Field(
+        description="What the peer's probe measured: flops_per_s, memory_bytes, device_name..."
+    )
+    served: int = Field(description="Microbatches served (forward and backward).")
+    step: int
+    queue_depth: int = Field(description="Compute tasks waiting or running on the peer.")
+    backlog_s: float = Field(description="Expected seconds of compute queued on the peer.")
+    service_s: float = Field(description="Moving average of the compute seconds one microbatch costs.")
+    in_flight_budget: int = Field(description="Microbatches the peer may hold at once (0: unknown).")
+    holding: int = Field(description="Microbatches whose activations the peer holds now.")
+    busy_s: float = Field(description="Seconds of compute since the peer started.")
+    memory_used_bytes: int
+    memory_total_bytes: int | None = Field(description="capacity.memory_bytes; null when unknown.")
+    replayed: int
+    failed: int
+    banned: list[str] = Field(description="Peers this peer bans now.")
+    banned_by: list[str] = Field(description="Live peers that ban this one now.")
+    bytes_sent: int
+    bytes_received: int
+    raw_bytes_sent: int
+    compression: float | None = Field(description="raw_bytes_sent / bytes_sent; null before any bytes.")
+    served_per_s: float
+    bytes_sent_per_s: float
+    missing_polls: int = Field(description="Consecutive polls the record was missing from (>0: stale).")
+    left_at: float | None = Field(description="When a gone peer was seen leaving; null for live peers.")
+
+
+class StageView(BaseModel):
+    """One column of the swarm map."""
+
+    stage: int
+    blocks: list[int] = Field(description="[start, end): the blocks the stage holds.")
+    num_serving: int
+    replicas: list[PeerView] = Field(description="Live replicas (earliest first), then recently gone ones.")
+
+
+class TrainerView(BaseModel):
+    """A trainer's latest point (`TrainerPoint`); loss is null when it was not finite."""
+
+    trainer: str
+    step: int
+    loss: float | None
+    tokens_per_s: float
+    t: float
+    completed: int
+    replayed: int
+    dropped: int
+    window: int
+
+
+class EventView(BaseModel):
+    t: float
+    kind: str = Field(description="join, leave, state, move, ban, replay, drop or step.")
+    peer_id: str
+    text: str
+
+
+class PeerSeries(BaseModel):
+    t: list[float]
+    served: list[int]
+    served_per_s: list[float]
+    bytes_sent_per_s: list[float]
+    step: list[int]
+
+
+class TrainerSeries(BaseModel):
+    t: list[float]
+    step: list[int]
+    loss: list[float | None]
+    tokens_per_s: list[float]
+    completed: list[int]
+    replayed: list[int]
+    dropped: list[int]
+    window: list[int]
+
+
+class SeriesView(BaseModel):
+    """Bounded time series; the swarm-level lists are aligned with `t`."""
+
+    t: list[float]
+    peers_per_stage: list[list[int]]
+    step: list[int]
+    bytes_sent_per_s: list[float] = Field(description="Sum of the stage peers' bytes_sent rates.")
+    raw_bytes_sent_per_s: list[float]
+    peers: dict[str, PeerSeries]
+    trainers: dict[str, TrainerSeries]
+
+
+class SwarmSnapshot(BaseModel):
+    """The whole dashboard: run, map, peers, trainers, history and event log."""
+
+    version: int = Field(description="Grows with every change.")
+    updated_at: float | None = Field(description="DHT time of the last poll; null before the first.")
+    manifest: ManifestSummary | None
+    stages: list[StageView]
+    peers: list[PeerView] = Field(description="Peers in the swarm now.")
+    gone: list[PeerView] = Field(description="Peers that left recently, most recent first.")
+    trainers: list[TrainerView] = Field(description="Latest point of each trainer, most recent first.")
+    series: SeriesView
+    events: list[EventView] = Field(description="Event log, newest last.")

@@ -1,0 +1,112 @@
+"""`swarmtrain status` without a network: what it reads from a fake swarm and how it prints it
+(the real command against a real swarm, with its coordinator dead: test_dashboard_browser.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+from swarmtrain.errors import ConfigError, RunNotFoundError
+from swarmtrain.peers.status import StatusConfig, format_bytes, read_status, render_status
+from swarmtrain.swarm import NodeConfig, SwarmNode
+from swarmtrain.wire.metrics import TrainerPoint
+from swarmtrain.wire.records import PeerRecord, RunManifest
+
+A = "12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA1"
+B = "12D3KooWBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB2"
+T = "12D3KooWTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTT3"
+DASH = RunManifest(run_id="dash", model="tiny-gpt", num_blocks=4, stage_bounds=(0, 3, 4), max_steps=50)
+
+
+class FakeSwarm:
+    """The DHT reads `read_status` makes, answered from dicts; run resolution is SwarmNode's own."""
+
+    require_manifest = SwarmNode.require_manifest
+
+    def __init__(self, manifests: list[RunManifest], peers: dict[str, list[PeerRecord]], points=()):
+        self.manifests = {m.run_id: m for m in manifests}
+        self.records = peers
+        self.points = list(points)
+
+    def known_runs(self) -> list[str]:
+        return sorted(self.manifests)
+
+    def get_manifest(self, run_id: str) -> RunManifest | None:
+        return self.manifests.get(run_id)
+
+    def peers(self, run_id: str) -> list[PeerRecord]:
+        return self.records.get(run_id, [])
+
+    def trainer_points(self, run_id: str) -> list[dict]:
+        return [p.to_dict() for p in self.points] + [{"step": "garbage"}]
+
+
+def printed(status: dict) -> str:
+    console = Console(record=True, width=220, color_system=None)
+    console.print(render_status(status))
+    return console.export_text()
+
+
+CAP = {"memory_bytes": 8 * 2**30, "device_name": "Xeon", "flops_per_s": 1e12}
+PEERS = [
+    PeerRecord(
+        peer_id=A, role="stage", stage=0, served=40, step=6, capacity=CAP, queue_depth=2, service_s=0.02,
+        memory_used_bytes=2**30, replayed=1, bytes_sent=2**20, raw_bytes_sent=4 * 2**20, banned=(B,), since=10.0,
+    ),
+    PeerRecord(peer_id=B, role="stage", stage=1, served=39, step=6, failed=3, since=12.0),
+]  # fmt: skip
+POINT = TrainerPoint(trainer=T, step=5, loss=2.75, tokens_per_s=5300.0, t=99.0, completed=24, window=4)
+
+
+def test_status_shows_stages_peers_and_the_last_trainer_point():
+    swarm = FakeSwarm([DASH], {"dash": PEERS}, [POINT])
+    status = json.loads(json.dumps(read_status(swarm, None, now=100.0), allow_nan=False))
+    assert status["run_id"] == "dash" and status["manifest"]["stage_bounds"] == [0, 3, 4]
+    assert [[(r["peer_id"], r["status"]) for r in s["replicas"]] for s in status["stages"]] == [
+        [(A, "serving")],
+        [(B, "banned")],
+    ]
+    a = status["peers"][0]
+    assert (a["compression"], a["memory_total_bytes"], a["queue_depth"]) == (4.0, 8 * 2**30, 2)
+    assert status["trainers"] == [POINT.to_dict()]
+    text = printed(status)
+    assert "run 'dash': tiny-gpt, 4 blocks in 2 stages [0, 3, 4], schedule readiness, step 6 of 50" in text
+    assert "0-2" in text and "3-3" in text  # block spans
+    for words in (A[-8:], "banned", "1.0 GiB / 8.0 GiB", "20.0 ms", "4.00x", "1.0 MiB", "2.750", "5300"):
+        assert words in text, words
+
+
+def test_status_of_a_run_whose_manifest_expired_still_lists_its_peers():
+    swarm = FakeSwarm([], {"dash": PEERS})
+    status = read_status(swarm, "dash", now=100.0)
+    assert status["manifest"] is None and status["stages"] == []
+    assert [r["peer_id"] for r in status["peers"]] == [A, B]
+    text = printed(status)
+    assert "no manifest in the DHT" in text and B[-8:] in text and "no trainer has reported" in text
+
+
+def test_status_of_an_unknown_run_names_the_runs_there_are():
+    swarm = FakeSwarm(
+        [DASH, RunManifest(run_id="other", model="tiny-gpt", num_blocks=2, stage_bounds=(0, 2))], {}
+    )
+    with pytest.raises(RunNotFoundError, match="no run 'beta' in this swarm; it announces 'dash', 'other'"):
+        read_status(swarm, "beta", now=0.0)
+    with pytest.raises(RunNotFoundError, match="several runs"):
+        read_status(swarm, None, now=0.0)
+
+
+def test_status_needs_an_address_to_join_through():
+    with pytest.raises(ConfigError, match="--initial-peers"):
+        StatusConfig(node=NodeConfig())
+    with pytest.raises(ConfigError, match="--initial-peers"):
+        NodeConfig(client_mode=True)
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0"), (None, ""), (512, "512 B"), (1536, "1.5 KiB"), (3 * 2**30, "3.0 GiB"), (2**50, "1024.0 TiB")],
+)
+def test_format_bytes(n, text):
+    assert format_bytes(n) == text
