@@ -159,7 +159,7 @@ class StagePeer:
     async def _serve(self, node: SwarmNode) -> None:
         cfg = self.config
         self.manifest = manifest = node.require_manifest(cfg.run_id)
-        self.capacity = await self._loop.run_in_executor(None, self._probe)
+        self.capacity = await self._loop.run_in_executor(None, self._probe)  # alone: it times compute
         self._memory = await self._loop.run_in_executor(None, stage_memory_figures, manifest)
         fits = [True] * manifest.num_stages
         if cfg.max_memory_bytes is not None:

@@ -92,3 +92,19 @@ def test_trainer_for_unknown_run_says_which_runs_exist(local_swarm):
 
     with pytest.raises(SwarmError, match=r"no run 'beta'.*alpha"):
         Trainer(TrainerConfig(node=NodeConfig(initial_peers=(swarm.address,)), run_id="beta"))
+
+
+def test_static_schedule_with_a_replicated_stage_matches_single_process(local_swarm, reference):
+    """The baseline mode (round-robin replicas, fixed 1F1B order) trains the same model."""
+    swarm = local_swarm(
+        model_config=TINY_GPT, num_stages=2, seed=SEED, optimizer=OPTIMIZER, batch=BATCH, schedule="static"
+    )
+    second = swarm.spawn_stage(1, extra_args=("--rebalance-every", "0"))
+    with swarm.trainer(verify_replicas=True) as trainer:
+        results = list(trainer.train(batches(), steps=STEPS))
+    torch.testing.assert_close(
+        torch.tensor([r.loss for r in results]), torch.tensor(reference.losses), rtol=LOSS_RTOL, atol=0
+    )
+    assert all(r.replicas_equal for r in results)
+    assert all(len(r.work[1]) == 2 for r in results)  # round-robin: both replicas of stage 1 work
+    assert swarm.wait_ready(second) in results[-1].work[1]
