@@ -47,6 +47,9 @@ from swarmtrain.wire.records import MAX_BANNED_LISTED, PeerRecord, RunManifest
 
 logger = logging.getLogger(__name__)
 
+MANIFEST_REPUBLISH_S = 10.0
+"""Seconds between a stage peer's republications of the run manifest (as coordinators do)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class StageConfig:
@@ -413,9 +416,17 @@ class StagePeer:
         return False
 
     async def _heartbeats(self) -> None:
-        last_check = time.monotonic()
+        last_check = last_manifest = time.monotonic()
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
+            if time.monotonic() - last_manifest >= MANIFEST_REPUBLISH_S:
+                # The coordinator is no master: once it is gone, the serving peers keep the
+                # run's manifest alive so new peers can still join.
+                last_manifest = time.monotonic()
+                try:
+                    await self.node.republish_manifest_async(self.manifest, ttl_s=6 * MANIFEST_REPUBLISH_S)
+                except Exception as e:
+                    logger.warning("republishing the manifest failed: %r", e)
             if self._rebalancer is not None and time.monotonic() - last_check >= self.config.rebalance_s:
                 last_check = time.monotonic()
                 try:

@@ -206,6 +206,17 @@ class SwarmNode:
         if not ok:
             logger.warning("manifest of run %s was not stored in the DHT", manifest.run_id)
 
+    async def republish_manifest_async(self, manifest: RunManifest, *, ttl_s: float) -> None:
+        """Keep the run's manifest (and its entry in the run list) alive without a coordinator."""
+        now = get_dht_time()
+        summary = {"model": manifest.model, "num_stages": manifest.num_stages}
+        await self.dht.store(
+            manifest_key(manifest.run_id), manifest.to_dict(), expiration_time=now + ttl_s, return_future=True
+        )
+        await self.dht.store(
+            RUNS_KEY, summary, expiration_time=now + ttl_s, subkey=manifest.run_id, return_future=True
+        )
+
     def known_runs(self) -> list[str]:
         found = self.dht.get(RUNS_KEY, latest=True)
         if found is None or not isinstance(found.value, dict):
