@@ -142,18 +142,17 @@ def encode_frame(frame: Frame) -> list[bytes | memoryview]:
         raise ValueError(f"codecs name tensors the frame does not hold: {sorted(unknown)}")
     specs, buffers = [], []
     for name, t in frame.tensors.items():
-        codec_name = frame.codecs.get(name, "none")
-        if isinstance(t, Encoded) and codec_name != "none":
-            raise ValueError(f"tensor {name!r} is already encoded with {t.codec!r}; drop it from codecs")
-        if isinstance(t, Encoded) and find_codec(t.codec) is None:
-            raise ValueError(
-                f"tensor {name!r}: unknown codec {t.codec!r} (known: {', '.join(known_codecs())})"
-            )
-        if not isinstance(t, Encoded) and codec_name != "none":
-            t = _encode(name, t, codec_name)
+        if frame.codecs.get(name, "none") != "none":
+            if isinstance(t, Encoded):
+                raise ValueError(f"tensor {name!r} is already encoded with {t.codec!r}; drop it from codecs")
+            t = _encode(name, t, frame.codecs[name])
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which frames do not carry")
         if isinstance(t, Encoded):
+            if find_codec(t.codec) is None:
+                raise ValueError(
+                    f"tensor {name!r}: unknown codec {t.codec!r} (known: {', '.join(known_codecs())})"
+                )
             buf = _tensor_bytes(t.payload)
             specs.append([name, DTYPE_NAMES[t.dtype], list(t.shape), t.codec, buf.nbytes, dict(t.meta)])
         else:
