@@ -524,6 +524,7 @@ def test_compressed_tensor_specs_are_checked_before_the_payload():
     assert read_bytes(raw_frame(header(tensors=[ok]), ok[4], bytes(ok[4]))).tensors["x"].shape == (2, 300)
     cases = [
         (["x", "float32", [2, 3], "zstd", 6, {}], r"tensor 'x': unknown codec 'zstd' \(known: none, "),
+        (["x", "float32", [2, 3], ["int8"], 6, {}], r"tensor 'x': unknown codec \['int8'\]"),
         (int8_spec()[:5], r"tensor 'x': codec 'int8' needs its meta as the spec's 6th field"),
         (spec() + [{}], "tensor 'x': codec 'none' takes no codec meta"),
         (["x", "int32", [4], "int8", 8, {}], "tensor 'x': codec 'int8' decodes to floats, not int32"),
@@ -780,6 +781,17 @@ def test_bad_compression_settings_name_the_flag(direction, bad):
     data = manifest().to_dict()
     with pytest.raises(ConfigError, match=f"unknown codec {bad!r} for {direction}"):
         RunManifest.from_dict(data | {"compression": {direction: bad}})
+
+
+def test_the_coordinator_publishes_the_compression_config():
+    from swarmtrain.peers.coordinator import CoordinatorConfig, make_manifest
+
+    cfg = CompressionConfig(activations="int8", gradients="int8", averaging="nf4")
+    m = make_manifest(
+        CoordinatorConfig(model_config={"n_layer": 2, "d_model": 32}, num_stages=2, compression=cfg)
+    )
+    assert m.compression == cfg
+    assert make_manifest(CoordinatorConfig(num_stages=2)).compression == CompressionConfig()
 
 
 def test_bad_compression_fields():
