@@ -288,8 +288,10 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     torch.set_num_threads(1)  # as each peer runs
     codec_cpu = _codec_cpu(args.codecs, shape)  # before the peers start, so they do not compete
-    # SIGTERM unwinds like Ctrl+C, so the `with` below removes the namespaces either way.
+    # SIGTERM and SIGINT (even where a shell started us with it ignored) unwind the stack, so
+    # the `with` below removes the namespaces, links and peers whichever way the run ends.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         check_prerequisites()
         stale = remove_stale()
@@ -303,6 +305,9 @@ def main() -> None:
     except NetnsError as e:
         print(f"error: cannot emulate a WAN here: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("interrupted; namespaces, links and peers removed", file=sys.stderr)
+        raise SystemExit(130) from None
     report = {
         "benchmark": "wan",
         "topology": f"{args.stages} namespaces on a bridge, tbf on each peer's uplink and downlink",
