@@ -7,10 +7,8 @@ modules stage peers build) in one process, and at each stage boundary the activa
 forward and the gradient coming back pass through a codec (decode(encode(x)), exactly what a
 receiving peer decodes), optionally with error feedback on the gradients, keyed per boundary
 as a sending peer would keep it. Every run starts from the same parameters and sees the same
-microbatches (same run seed), so the loss differences are the codecs' doing. Small
-perturbations still send a trajectory elsewhere (a near-lossless bf16 run lands a few tenths
-of a percent to a few percent from 'none' on one seed), so every setting runs once per seed
-in `--seeds` and the figures are means over seeds.
+microbatches (same run seed), so the loss differences are the codecs' doing; every setting
+runs once per seed in `--seeds` and the figures are means over seeds.
 
 Reported per codec setting: the mean training loss of the last 10 steps, the loss on 8
 held-out microbatches (through the same compressed forward), both relative to 'none', and
@@ -39,6 +37,10 @@ MODEL = "tiny-gpt"
 MODEL_CONFIG = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 64}
 MICROBATCH_SIZE = 8
 MICROBATCHES_PER_STEP = 2
+OPTIMIZER = OptimizerConfig(lr=1e-3)
+"""At the default lr of 3e-3 this small model trains unstably for its first few hundred steps:
+one seed's loss at step 150 then swings by +-10% under any perturbation (bf16 against none),
+which drowns the codecs' effect. At 1e-3, none and bf16 agree within 0.1%."""
 EVAL_BATCHES = 8
 LAST_STEPS = 10
 WITHIN = 0.02
@@ -111,7 +113,7 @@ def train(setting: Setting, *, steps: int, num_stages: int, seed: int, text: byt
     bounds = even_split(MODEL_CONFIG["n_layer"], num_stages)
     stages = [build_stage(MODEL, MODEL_CONFIG, a, b, seed=seed) for a, b in zip(bounds, bounds[1:])]
     params = [p for stage in stages for p in stage.parameters()]
-    opt = make_optimizer(params, OptimizerConfig())
+    opt = make_optimizer(params, OPTIMIZER)
     feedback = ErrorFeedback() if setting.error_feedback else None
     batches = TokenBatches(text, seq_len=MODEL_CONFIG["seq_len"], microbatch_size=MICROBATCH_SIZE, seed=seed)
     held_out = TokenBatches(
@@ -177,7 +179,7 @@ def main() -> None:
         "steps": args.steps,
         "microbatch_size": MICROBATCH_SIZE,
         "microbatches_per_step": MICROBATCHES_PER_STEP,
-        "optimizer": OptimizerConfig().to_dict(),
+        "optimizer": OPTIMIZER.to_dict(),
         "seeds": seeds,
         "host": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads},
         "results": results,

@@ -346,3 +346,54 @@ def test_hivemind_adapter_uses_the_same_kernels():
     x = _randn(70, 33)
     out = HivemindCodec().extract(HivemindCodec().compress(x, CompressionInfo.from_tensor(x)))
     assert torch.equal(out, roundtrip(x, "int8"))
+
+
+@pytest.mark.swarm
+def test_compressed_frames_over_the_real_transport_and_its_byte_counters():
+    from hivemind.p2p import P2P
+
+    from swarmtrain.transport import TensorTransport, handler_name
+
+    x = _randn(4, 16, 64)
+    seen = {}
+
+    async def backward(frame: Frame, peer: str) -> Frame:  # a stage answering with a compressed gradient
+        seen.update(codecs=frame.codecs, x=frame.tensors["x"])
+        return Frame(
+            kind="result",
+            run_id=frame.run_id,
+            tensors={"grad": frame.tensors["x"] * 2},
+            codecs={"grad": "nf4"},
+        )
+
+    async def go():
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+        try:
+            served = TensorTransport(server)
+            await served.serve(handler_name("run-1"), backward)
+            caller = TensorTransport(client)
+            request = Frame(kind="forward", run_id="run-1", tensors={"x": x}, codecs={"x": "int8"})
+            reply = await caller.call(
+                server.peer_id.to_base58(), handler_name("run-1"), request, timeout_s=30
+            )
+            return served, caller, reply
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    served, caller, reply = asyncio.run(go())
+    assert seen["codecs"] == {"x": "int8"} and torch.equal(seen["x"], roundtrip(x, "int8"))
+    assert reply.codecs == {"grad": "nf4"}
+    assert torch.equal(reply.tensors["grad"], roundtrip(roundtrip(x, "int8") * 2, "nf4"))
+    int8_bytes, nf4_bytes = 4 * 16 + x.numel(), 4 * 64 + x.numel() // 2
+    assert (caller.bytes_sent, caller.raw_bytes_sent, caller.bytes_received) == (
+        int8_bytes,
+        x.nbytes,
+        nf4_bytes,
+    )
+    assert (served.bytes_received, served.bytes_sent, served.raw_bytes_sent) == (
+        int8_bytes,
+        nf4_bytes,
+        x.nbytes,
+    )
