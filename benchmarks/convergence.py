@@ -72,6 +72,8 @@ SETTINGS = [
     Setting(activations="int8", gradients="int8", error_feedback=True),
     Setting(activations="nf4", gradients="nf4"),
     Setting(activations="nf4", gradients="nf4", error_feedback=True),
+    Setting(activations="nf4", gradients="int8"),  # which direction costs the 4-bit loss
+    Setting(activations="int8", gradients="nf4"),
     Setting(activations="uint4", gradients="uint4"),
     Setting(activations="uint4", gradients="uint4", error_feedback=True),
 ]

@@ -25,6 +25,10 @@ def compress_for_exchange(
 ) -> tuple[dict[str, torch.Tensor | Encoded], list[torch.Tensor]]:
     """What this replica sends its group, and what it must add in place of its own gradients.
 
+    `codec` is a codec name ('auto' made concrete first with resolve_codec). Replicas may use
+    different codecs: each frame names its own, and the sums stay identical as long as every
+    replica adds decoded_local for itself.
+
     Returns (tensors, decoded_local):
     - tensors: for a 'grads' frame, named "0".."N-1" in `local_grads` order; Encoded
       payloads in CPU memory, or CPU copies of the gradients for codec 'none';
