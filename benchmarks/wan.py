@@ -1,7 +1,8 @@
 """Pipeline traffic over an emulated WAN, per codec: tokens/s and bytes per token at 50 and 100 Mbit/s.
 
     sudo .venv/bin/python benchmarks/wan.py [--stages 4] [--rates 50,100] [--codecs none,fp16,int8,nf4]
-                                            [--shape 8,128,256] [--window 8] [--duration-s 8] [--json-out PATH]
+                                            [--shape 8,128,256] [--window 16] [--duration-s 8]
+                                            [--min-microbatches 30] [--queue-ms 400] [--json-out PATH]
 
 Each of `--stages` peers runs in its own network namespace behind a link limited by `tc tbf`
 to the rate in each direction (benchmarks/netns.py: a bridge, one veth per peer). The peers
@@ -10,7 +11,7 @@ are transport-only pipeline stages over plain asyncio TCP and our frame format
 of `--shape` (B, T, C) forward, each middle stage decodes every frame and re-encodes it to the
 next stage (as a stage peer does with its output), the last stage answers each with a
 gradient frame of the same shape, which travels back the same way. Stage 0 keeps `--window`
-microbatches in flight and counts finished ones. No model compute: this measures what the
+microbatches in flight and counts those finished in `--duration-s` seconds of steady state. No model compute: this measures what the
 links and the codecs allow, the ceiling a compressed swarm can reach on such links.
 
 Reported per rate and codec: microbatches/s, tokens/s (B x T tokens a microbatch), wire bytes
@@ -51,7 +52,6 @@ from swarmtrain.wire.frames import Frame, read_frame, write_frame  # noqa: E402
 PORT = 7700
 RUN_ID = "wan"
 START_TIMEOUT_S = 120.0
-WARMUP_S = 2.0
 GRAD_SCALE = 1e-3
 """The last stage answers an activation x with gradient x * GRAD_SCALE (gradient-sized values)."""
 REPO = Path(__file__).resolve().parent.parent
@@ -99,22 +99,24 @@ async def _read_or_none(reader: asyncio.StreamReader) -> Frame | None:
         return None
 
 
-async def _phase(reader, writer, codec: str, x: torch.Tensor, window: int, duration_s: float) -> dict:
-    """Stream microbatches with `codec` for WARMUP_S + duration_s; counts those finished after warm-up.
+async def _phase(
+    reader, writer, codec: str, x: torch.Tensor, window: int, duration_s: float, min_mb: int
+) -> dict:
+    """Stream microbatches with `codec` and count those that finish once the pipeline is full
+    (the first `window` are back), for at least `duration_s` seconds and `min_mb` microbatches.
 
     A sender task keeps `window` microbatches in flight while this coroutine reads results
     without pause (a reader that stopped to write could deadlock the chain of full buffers).
     """
     slots = asyncio.Semaphore(window)
-    start = time.monotonic()
-    measure_from, stop_at = start + WARMUP_S, start + WARMUP_S + duration_s
+    clock = {"from": None, "until": None}  # the measured interval
     outstanding: dict[str, float] = {}  # mb id -> time sent
-    counts = {"microbatches": 0, "act_wire": 0, "grad_wire": 0}
-    latencies = []
+    counts = {"microbatches": 0, "act_wire": 0, "grad_wire": 0, "seconds": 0.0}
+    latencies, received = [], 0
 
     async def send() -> None:
         n = 0
-        while time.monotonic() < stop_at:
+        while clock["until"] is None:
             await slots.acquire()
             mb, n = f"{codec}:{n}", n + 1
             outstanding[mb] = time.monotonic()
@@ -135,27 +137,28 @@ async def _phase(reader, writer, codec: str, x: torch.Tensor, window: int, durat
         frame, reading = reading.result(), None
         now, began = time.monotonic(), outstanding.pop(frame.mb_id)
         slots.release()
-        if measure_from <= now <= stop_at:
+        received += 1
+        if received == window:
+            clock["from"] = now
+        elif clock["from"] is not None and clock["until"] is None:
             counts["microbatches"] += 1
             counts["act_wire"] += frame.meta["act_wire"]  # as the last stage received it
             counts["grad_wire"] += frame.wire_nbytes
+            counts["seconds"] = now - clock["from"]
             latencies.append(now - began)
-    return {
-        "codec": codec,
-        **counts,
-        "seconds": duration_s,
-        "median_latency_s": statistics.median(latencies or [0]),
-    }
+            if counts["seconds"] >= duration_s and counts["microbatches"] >= min_mb:
+                clock["until"] = now  # the sender stops; what is in flight drains uncounted
+    return {"codec": codec, **counts, "median_latency_s": statistics.median(latencies or [0])}
 
 
 async def _driver(
-    downstream: str, codecs: list[str], shape: tuple[int, ...], window: int, duration_s: float
+    downstream: str, codecs: list[str], shape: tuple[int, ...], window: int, duration_s: float, min_mb: int
 ) -> None:
     """Stage 0: run one phase per codec and print each phase's counts as a JSON line."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))  # (B, T, C) activations
     reader, writer = await asyncio.open_connection(downstream, PORT)
     for codec in codecs:
-        print(json.dumps(await _phase(reader, writer, codec, x, window, duration_s)), flush=True)
+        print(json.dumps(await _phase(reader, writer, codec, x, window, duration_s, min_mb)), flush=True)
     writer.close()
 
 
@@ -163,7 +166,16 @@ def peer_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if args.role == "driver":
         shape = tuple(int(d) for d in args.shape.split(","))
-        asyncio.run(_driver(args.downstream, args.codecs.split(","), shape, args.window, args.duration_s))
+        asyncio.run(
+            _driver(
+                args.downstream,
+                args.codecs.split(","),
+                shape,
+                args.window,
+                args.duration_s,
+                args.min_microbatches,
+            )
+        )
     else:
         asyncio.run(_relay(args.listen, args.downstream))
 
@@ -204,8 +216,9 @@ def measure_rate(net: WanNet, rate_mbit: float, args: argparse.Namespace) -> lis
     driver = net.spawn(0, _peer_argv(
         "driver", "--downstream", net.address(1), "--codecs", ",".join(args.codecs), "--shape", args.shape,
         "--window", str(args.window), "--duration-s", str(args.duration_s),
+        "--min-microbatches", str(args.min_microbatches),
     ), **popen)  # fmt: skip
-    phase_deadline = time.monotonic() + START_TIMEOUT_S + len(args.codecs) * (WARMUP_S + args.duration_s + 60)
+    phase_deadline = time.monotonic() + START_TIMEOUT_S + len(args.codecs) * (args.duration_s + 120)
     results = [json.loads(_read_line(driver, phase_deadline, "stage 0")) for _ in args.codecs]
     for proc in [driver, *peers]:
         proc.wait(30)
@@ -268,8 +281,14 @@ def main() -> None:
     parser.add_argument("--rates", default="50,100", help="link rates to measure, Mbit/s, comma-separated")
     parser.add_argument("--codecs", default="none,fp16,int8,nf4", help="codecs, comma-separated")
     parser.add_argument("--shape", default="8,128,256", help="activation shape B,T,C (B x T tokens)")
-    parser.add_argument("--window", type=int, default=8, help="microbatches in flight")
-    parser.add_argument("--duration-s", type=float, default=8.0, help="measured seconds per codec and rate")
+    parser.add_argument("--window", type=int, default=16, help="microbatches in flight")
+    parser.add_argument(
+        "--duration-s", type=float, default=8.0, help="measured seconds per codec and rate, at least"
+    )
+    parser.add_argument(
+        "--min-microbatches", type=int, default=30, help="measured microbatches per codec and rate, at least"
+    )
+    parser.add_argument("--queue-ms", type=float, default=400.0, help="tbf queue depth of each link, in ms")
     parser.add_argument("--json-out", help="also write the JSON document to this file")
     args = parser.parse_args()
     if args.role:
@@ -295,7 +314,7 @@ def main() -> None:
     try:
         check_prerequisites()
         stale = remove_stale()
-        with WanNet(WanConfig(num_peers=args.stages, rate_mbit=rates[0])) as net:
+        with WanNet(WanConfig(num_peers=args.stages, rate_mbit=rates[0], queue_ms=args.queue_ms)) as net:
             measured = []
             for rate in rates:
                 print(f"measuring {rate:g} Mbit/s ...", file=sys.stderr, flush=True)
@@ -317,6 +336,8 @@ def main() -> None:
         "tokens_per_microbatch": tokens_per_mb,
         "window": args.window,
         "duration_s": args.duration_s,
+        "min_microbatches": args.min_microbatches,
+        "queue_ms": args.queue_ms,
         "removed_stale_namespaces": stale,
         "codec_cpu": codec_cpu,
         "rates": measured,
