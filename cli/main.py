@@ -221,6 +221,23 @@ def coordinator(
             "expected to finish it first; static: round-robin replicas in a fixed 1F1B order (a baseline)."
         ),
     ] = "readiness",
+    compress_activations: Annotated[
+        str,
+        typer.Option(
+            help="Codec of the activations stages send forward: none, fp16, bf16, int8, nf4, uint4, "
+            "or auto (chosen per link from its measured bandwidth)."
+        ),
+    ] = "none",
+    compress_gradients: Annotated[
+        str, typer.Option(help="Codec of the activation gradients stages send backward (same choices).")
+    ] = "none",
+    compress_averaging: Annotated[
+        str, typer.Option(help="Codec of the gradient sums replicas of a stage exchange (same choices).")
+    ] = "none",
+    error_feedback: Annotated[
+        bool,
+        typer.Option(help="Gradient and averaging codecs carry what they rounded away into the next send."),
+    ] = True,
     host: Host = "127.0.0.1",
     port: Port = 0,
     dashboard_port: Annotated[
@@ -248,7 +265,7 @@ def coordinator(
     from swarmtrain.peers.coordinator import Coordinator, CoordinatorConfig
     from swarmtrain.peers.dashboard.config import DashboardConfig
     from swarmtrain.swarm import NodeConfig
-    from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+    from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
 
     def main() -> None:
         config = CoordinatorConfig(
@@ -267,6 +284,12 @@ def coordinator(
             seed=seed,
             max_steps=steps,
             schedule=schedule,
+            compression=CompressionConfig(
+                activations=compress_activations,
+                gradients=compress_gradients,
+                averaging=compress_averaging,
+                error_feedback=error_feedback,
+            ),
             dashboard=None
             if dashboard_port is None
             else DashboardConfig(host=dashboard_host, port=dashboard_port),
@@ -277,6 +300,12 @@ def coordinator(
             typer.echo(
                 f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages {list(m.stage_bounds)}"
             )
+            if m.compression.is_enabled:
+                c = m.compression
+                typer.echo(
+                    f"compression: activations {c.activations}, gradients {c.gradients}, "
+                    f"averaging {c.averaging}, error feedback {'on' if c.error_feedback else 'off'}"
+                )
             typer.echo(f"peer address: {coord.address}")
             typer.echo(f"join with:    swarmtrain join --initial-peers {coord.address}")
             if coord.dashboard is not None:

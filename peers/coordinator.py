@@ -18,6 +18,7 @@ from swarmtrain.peers.dashboard.config import DashboardConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.wire.records import (
     BatchConfig,
+    CompressionConfig,
     OptimizerConfig,
     PeerRecord,
     RunManifest,
@@ -51,6 +52,8 @@ class CoordinatorConfig:
     """Steps the run aims for (0: until stopped)."""
     schedule: str = "readiness"
     """How peers order work and route microbatches: 'readiness' or 'static' (the baseline)."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Codecs of activations, gradients and replica averaging on the wire (default: none)."""
     republish_s: float = 10.0
     """Seconds between republications of the manifest."""
     dashboard: DashboardConfig | None = None
@@ -76,6 +79,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         seed=config.seed,
         max_steps=config.max_steps,
         schedule=config.schedule,
+        compression=config.compression,
     )
 
 

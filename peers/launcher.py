@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmtrain.errors import SwarmError
-from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +39,8 @@ class LocalSwarmConfig:
     seed: int = 0
     schedule: str = "readiness"
     """'readiness' or 'static' (the run manifest's schedule)."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Codecs on the wire (the run manifest's compression)."""
     host: str = "127.0.0.1"
     """Address every peer listens on."""
     coordinator_port: int = 0
@@ -148,6 +150,10 @@ class LocalSwarm:
                 "--max-in-flight", str(cfg.batch.max_in_flight),
                 "--seed", str(cfg.seed),
                 "--schedule", cfg.schedule,
+                "--compress-activations", cfg.compression.activations,
+                "--compress-gradients", cfg.compression.gradients,
+                "--compress-averaging", cfg.compression.averaging,
+                "--error-feedback" if cfg.compression.error_feedback else "--no-error-feedback",
                 "--host", cfg.host,
                 "--port", str(cfg.coordinator_port),
                 "--address-file", str(address_file),

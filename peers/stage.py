@@ -25,6 +25,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 import swarmtrain
+from swarmtrain.compress.policy import resolve_codec
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
 from swarmtrain.model import build_stage
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
@@ -308,7 +309,7 @@ class StagePeer:
             banned=tuple(banned),
             bytes_sent=self.transport.bytes_sent,
             bytes_received=self.transport.bytes_received,
-            raw_bytes_sent=self.transport.bytes_sent,
+            raw_bytes_sent=self.transport.raw_bytes_sent,
         )
 
     def _memory_used(self) -> int:
@@ -355,6 +356,15 @@ class StagePeer:
                     r.peer_id, backlog_s=r.backlog_s, service_s=r.service_s, now=now, from_reply=False
                 )
         self.router.forget({r.peer_id for r in self._records})
+
+    def codec_for(self, direction: str, peer: str, nbytes: int) -> str:
+        """The codec to send `nbytes` of `direction` ('activations', 'gradients', 'averaging')
+        to `peer` with: the run's setting, or for 'auto' the one the link's bandwidth calls for."""
+        view = self.router.views.get(peer)
+        bandwidth = (view.bandwidth_bytes_per_s if view else None) or self.capacity.get(
+            "bandwidth_bytes_per_s"
+        )
+        return resolve_codec(getattr(self.manifest.compression, direction), bandwidth, nbytes)
 
     def choose_replica(self, stage: int, *, order: int, nbytes: int, prefer: str | None) -> str | None:
         return self.router.choose(
@@ -526,7 +536,7 @@ class StagePeer:
             return error_frame(run_id, "this peer is leaving its stage", retryable=True, stage=self.stage)
         self._in_flight += 1
         try:
-            reply = await self.work.on_forward(frame)
+            reply = await self.work.on_forward(frame, peer)
             self.served += 1
             return reply
         except BadFrameError as e:

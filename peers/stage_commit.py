@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from swarmtrain.compress.exchange import compress_for_exchange
+from swarmtrain.compress.feedback import ErrorFeedback
 from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError
 from swarmtrain.train.averaging import GradientInbox, group_sum
 from swarmtrain.transport import handler_name
@@ -44,12 +46,15 @@ class StageCommit:
     def __init__(self, peer: StagePeer):
         self.peer = peer
         self.inbox = GradientInbox()
+        self.feedback = ErrorFeedback()
         self._total: tuple[int, list[torch.Tensor] | None] | None = None
         """(step, the group's gradient total or None for a replica alone) once exchanged."""
 
     def reset(self) -> None:
         self.inbox = GradientInbox()
         self._total = None
+        self.feedback = ErrorFeedback()
+        """Error-feedback residuals of the averaging codec, per parameter."""
 
     @property
     def exchanged(self) -> bool:
@@ -120,13 +125,18 @@ class StageCommit:
     async def _exchange(self, step: int, attempt: int, others: list[str]) -> list[torch.Tensor]:
         """Send this replica's gradient sum to `others`, take theirs; returns the group's total."""
         p = self.peer
-        local = await p.scheduler.call(lambda: [g.detach().cpu().clone() for g in p.runner.grads()])
+        grads = p.runner.grads()
+        codec = p.codec_for("averaging", others[0], sum(g.nbytes for g in grads))
+        feedback = self.feedback if p.manifest.compression.error_feedback else None
+        # Every replica adds, for itself too, what the others decode from its frame: the sums
+        # stay bit-identical whatever the codec (swarmtrain.compress.exchange).
+        sent, local = await p.scheduler.call(lambda: compress_for_exchange(grads, codec, feedback))
         frame = Frame(
             kind="grads",
             run_id=p.manifest.run_id,
             stage=p.stage,
             step=step,
-            tensors={str(i): g for i, g in enumerate(local)},
+            tensors=sent,
             meta={"attempt": attempt},
         )
         name = handler_name(p.manifest.run_id)

@@ -70,7 +70,7 @@ class StageWork:
     def clear_cache(self) -> None:
         self._cache.clear()
 
-    async def on_forward(self, frame: Frame) -> Frame:
+    async def on_forward(self, frame: Frame, caller: str) -> Frame:
         peer = self.peer
         runner, manifest = peer.runner, peer.manifest
         started = time.monotonic()
@@ -117,7 +117,12 @@ class StageWork:
             except (RuntimeError, IndexError, ValueError) as e:  # the model refused this input
                 raise BadFrameError(f"forward/backward failed on this input: {e}") from None
             self._cache[mb] = _Cached(x=x, loss=loss, grad=grad_x, route=route)
-        tensors = {} if grad_x is None else {"grad": grad_x}
+        tensors, codecs = {}, {}
+        if grad_x is not None:
+            tensors["grad"] = grad_x
+            codec = peer.codec_for("gradients", caller, grad_x.nbytes)
+            if codec != "none":
+                codecs["grad"] = codec
         reply_meta = {
             "loss": loss,
             "route": route,
@@ -132,6 +137,7 @@ class StageWork:
             stage=peer.stage,
             step=frame.step,
             tensors=tensors,
+            codecs=codecs,
             meta=reply_meta,
         )
 
@@ -186,6 +192,7 @@ class StageWork:
             if target is None:
                 await peer.refresh_replicas(wait_s=min(NO_REPLICA_WAIT_S, remaining))
                 continue
+            codec = peer.codec_for("activations", target, out.nbytes)
             request = Frame(
                 kind="forward",
                 run_id=frame.run_id,
@@ -193,6 +200,7 @@ class StageWork:
                 stage=nxt,
                 step=frame.step,
                 tensors={"x": out, "targets": targets},
+                codecs={} if codec == "none" else {"x": codec},
                 meta=dict(
                     frame.meta, budget_s=remaining, replay=bool(frame.meta.get("replay")) or replays > 0
                 ),

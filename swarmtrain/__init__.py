@@ -7,7 +7,7 @@ stays cheap):
 - roles: `Coordinator` / `CoordinatorConfig`, `StagePeer` / `StageConfig`,
   `Trainer` / `TrainerConfig`, and `LocalSwarm` / `LocalSwarmConfig` for a whole swarm
   on this machine
-- settings: `NodeConfig`, `OptimizerConfig`, `BatchConfig`, `RunManifest`
+- settings: `NodeConfig`, `OptimizerConfig`, `BatchConfig`, `CompressionConfig`, `RunManifest`
 - data: `TokenBatches`, `load_text`
 """
 
@@ -33,6 +33,7 @@ _EXPORTS = {
     "NodeConfig": "swarmtrain.swarm",
     "OptimizerConfig": "swarmtrain.wire.records",
     "BatchConfig": "swarmtrain.wire.records",
+    "CompressionConfig": "swarmtrain.wire.records",
     "RunManifest": "swarmtrain.wire.records",
     "TokenBatches": "swarmtrain.train.data",
     "load_text": "swarmtrain.train.data",

@@ -139,6 +139,14 @@ CASES = {
         ("coordinator", "--microbatch-size", "0"),
         ("microbatch_size must be a positive integer, got 0", "--microbatch-size 1"),
     ),
+    "compress-unknown": Case(
+        ("coordinator", "--compress-gradients", "zstd"),
+        (
+            "unknown codec 'zstd' for gradients",
+            "none, fp16, bf16, int8, nf4, uint4, auto",
+            "--compress-gradients",
+        ),
+    ),
     "ready-file-folder-missing": Case(
         ("join", "--initial-peers", "{nobody}", "--ready-file", "/nonexistent-folder/ready"),
         ("--ready-file", "/nonexistent-folder does not exist"),

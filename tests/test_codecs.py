@@ -1,4 +1,7 @@
-"""Codecs: round trips, payload sizes, frame validation, and the hivemind adapter."""
+"""Codecs: round trips, payload sizes, frame validation, error feedback, the exact replica
+exchange, the 'auto' policy, and the hivemind adapter."""
+
+import asyncio
 
 import pytest
 import torch
@@ -6,9 +9,21 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.compression.base import CompressionInfo
 from hivemind.proto import runtime_pb2
 
-from swarmtrain.compress import Codec, codec_names, get_codec
+from swarmtrain.compress import (
+    Codec,
+    ErrorFeedback,
+    choose_codec,
+    codec_names,
+    compress_for_exchange,
+    decode_encoded,
+    get_codec,
+    resolve_codec,
+    roundtrip,
+)
 from swarmtrain.compress.hivemind_codec import HivemindCodec, install_hivemind_codec
 from swarmtrain.errors import BadFrameError
+from swarmtrain.train.averaging import group_sum
+from swarmtrain.wire.frames import Frame, encode_frame, read_frame
 
 # Max relative error (max |x - x'| / max |x|) each codec may show on Gaussian data.
 MAX_REL_ERROR = {
@@ -147,3 +162,238 @@ def test_hivemind_adapter_reads_stock_frames_and_installs(monkeypatch):
     broken.buffer = ours.buffer[:-3]
     with pytest.raises(BadFrameError):
         deserialize_torch_tensor(broken)
+
+
+# what frames ask of a codec
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", list(MAX_REL_ERROR))
+def test_payload_nbytes_is_the_encoded_size(name, shape):
+    codec = get_codec(name)
+    for dtype in (torch.float32, torch.bfloat16):
+        payload, meta = codec.encode(_randn(*shape, dtype=dtype))
+        assert codec.payload_nbytes(meta, tuple(shape), dtype) == payload.numel()
+
+
+def test_codecs_are_registered_with_frames():
+    from swarmtrain.wire.codec import find_codec, register_codec
+
+    for name in codec_names():
+        assert find_codec(name) is (None if name == "none" else get_codec(name))
+    with pytest.raises(ValueError, match="codec 'none' is built into frames"):
+        register_codec(get_codec("none"))
+    with pytest.raises(TypeError, match="does not implement the Codec protocol"):
+        register_codec(type("Half", (), {"name": "half"})())
+
+
+# error feedback and the replica exchange
+
+
+def test_error_feedback_keeps_the_sum_of_what_was_sent_close():
+    """A constant gradient sent 40 times: without error feedback the rounding error of each send
+    adds up (40x one send's error); with it the total trails by one residual at most."""
+    g = _randn(3000) * 1e-2
+    for name in ("int8", "nf4", "fp16"):
+        feedback = ErrorFeedback()
+        sent_plain, sent_fed = torch.zeros(3000), torch.zeros(3000)
+        for _ in range(40):
+            sent_plain += roundtrip(g, name)
+            sent_fed += decode_encoded(feedback.compress("g", g, name))
+        err_plain = (sent_plain - 40 * g).abs().max()
+        err_fed = (sent_fed - 40 * g).abs().max()
+        step = (roundtrip(g, name) - g).abs().max()  # one send's error
+        assert err_plain > 20 * step, name
+        assert err_fed <= 2 * step + 1e-6, name
+        # what is still owed is exactly the residual
+        torch.testing.assert_close(40 * g - sent_fed, feedback.residuals["g"], rtol=0, atol=1e-5)
+    assert ErrorFeedback().compress("g", g, "none") is g
+
+
+def test_error_feedback_int8_fused_kernel_matches_the_generic_path():
+    g, feedback = _randn(5, 700), ErrorFeedback()
+    codec, residual = get_codec("int8"), torch.zeros(5, 700)
+    for step in range(3):
+        fused = feedback.compress("g", g * (step + 1), "int8")  # fp32: one quantize_int8_error_feedback pass
+        v = g * (step + 1) + residual  # the same algebra, spelled out
+        payload, meta = codec.encode(v)
+        residual = v - codec.decode(payload, meta, (5, 700), torch.float32)
+        assert torch.equal(fused.payload, payload) and fused.meta == meta
+        torch.testing.assert_close(feedback.residuals["g"], residual, rtol=0, atol=1e-6)
+    # bf16 gradients take the generic path: the residual is what the receiver misses in bf16
+    h = _randn(5, 700, dtype=torch.bfloat16)
+    enc = feedback.compress("h", h, "int8")
+    assert enc.dtype == torch.bfloat16 and enc.shape == (5, 700)
+    assert torch.equal(feedback.residuals["h"], h.float() - decode_encoded(enc).float())
+    # a key whose shape changes (a smaller last microbatch) starts from zero
+    feedback.compress("g", g[:2], "int8")
+    assert feedback.residuals["g"].shape == (2, 700)
+    bad = g[:2].clone()
+    bad[0, 0] = float("nan")
+    before = feedback.residuals["g"].clone()
+    with pytest.raises(ValueError, match="inf/NaN"):
+        feedback.compress("g", bad, "int8")
+    assert torch.equal(feedback.residuals["g"], before)  # untouched by the refused send
+    assert feedback.residual_norm() > 0
+    feedback.reset()
+    assert feedback.residuals == {} and feedback.residual_norm() == 0
+
+
+def _exchange_over_frames(sent: dict) -> list[torch.Tensor]:
+    """What another replica gets from a 'grads' frame holding `sent`: encoded, written to a
+    real StreamReader and read back."""
+    frame = Frame(kind="grads", run_id="r", step=0, tensors=sent)
+    data = b"".join(bytes(b) for b in encode_frame(frame))
+
+    async def read():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_frame(reader)
+
+    got = asyncio.run(read())
+    return [got.tensors[str(i)] for i in range(len(got.tensors))]
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize("name", list(MAX_REL_ERROR))
+def test_two_replicas_summing_decoded_copies_stay_bit_identical(name, error_feedback):
+    shapes = [(33, 17), (5,), (2, 3, 64)]
+    grads = {
+        peer: [
+            torch.randn(s, generator=torch.Generator().manual_seed(seed + i)) for i, s in enumerate(shapes)
+        ]
+        for peer, seed in (("peerA", 0), ("peerB", 100))
+    }
+    feedback = {peer: ErrorFeedback() if error_feedback else None for peer in grads}
+    for step in range(3):
+        sent, mine = {}, {}
+        for peer, local in grads.items():
+            scaled = [g * (step + 1) for g in local]
+            sent[peer], mine[peer] = compress_for_exchange(scaled, name, feedback[peer])
+        received = {peer: _exchange_over_frames(sent[peer]) for peer in grads}
+        for peer in grads:  # a receiver decodes exactly what the sender adds for itself
+            assert all(torch.equal(a, b) for a, b in zip(received[peer], mine[peer]))
+        total_a = group_sum("peerA", mine["peerA"], {"peerB": received["peerB"]})
+        total_b = group_sum("peerB", mine["peerB"], {"peerA": received["peerA"]})
+        assert all(torch.equal(a, b) for a, b in zip(total_a, total_b)), f"step {step}"
+        exact = [a + b for a, b in zip(*(([g * (step + 1) for g in grads[p]]) for p in grads))]
+        for t, e in zip(total_a, exact):
+            assert (t - e).abs().max() <= 2 * MAX_REL_ERROR[name] * e.abs().max() * 3 + 1e-5
+        if name == "none":
+            assert all(torch.equal(t, e) for t, e in zip(total_a, exact))
+
+
+def test_exchange_with_error_feedback_shrinks_the_accumulated_error():
+    """Over 30 exchanges of the same gradients, the sum of the group totals drifts from the exact
+    sum by 30 quantization errors without error feedback, by about one with it."""
+    local = [_randn(4000) * 1e-3, _randn(300) * 5]
+    errors = {}
+    for use_feedback in (False, True):
+        feedback = ErrorFeedback() if use_feedback else None
+        total = [torch.zeros_like(g) for g in local]
+        for _ in range(30):
+            _, mine = compress_for_exchange(local, "nf4", feedback)
+            for t, d in zip(total, mine):
+                t += d
+        errors[use_feedback] = max(
+            float((t - 30 * g).abs().max() / g.abs().max()) for t, g in zip(total, local)
+        )
+    assert errors[True] * 10 < errors[False], errors
+
+
+# the 'auto' policy
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "tensor_bytes", "codec"),
+    [
+        (10e9, 2**20, "none"),  # NVLink / datacenter
+        (1e9, 2**20, "none"),
+        (999e6, 2**20, "fp16"),
+        (200e6, 2**20, "fp16"),
+        (100e6 / 8 * 8, 2**20, "int8"),  # 100 Mbit/s = 12.5 MB/s
+        (50e6 / 8, 2**20, "int8"),  # 50 Mbit/s
+        (2.5e6, 2**20, "int8"),
+        (1e6, 2**20, "nf4"),  # 8 Mbit/s uplink
+        (1e6, 512, "none"),  # crosses in 0.5 ms: not worth a codec
+        (1e6, 1000, "nf4"),
+        (50e6 / 8, 0, "none"),
+    ],
+)
+def test_auto_policy(bandwidth, tensor_bytes, codec):
+    assert choose_codec(bandwidth, tensor_bytes) == codec
+    assert resolve_codec("auto", bandwidth, tensor_bytes) == codec
+
+
+def test_auto_policy_edges():
+    assert resolve_codec("int8", 1e12, 10) == "int8"  # a fixed setting is kept
+    assert resolve_codec("auto", None, 2**20) == "int8"  # link not measured yet
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="bandwidth must be > 0"):
+            choose_codec(bad, 100)
+    with pytest.raises(ValueError, match="tensor size must be >= 0"):
+        choose_codec(1e6, -1)
+    previous = "none"  # slower links never get a lighter codec
+    order = ["none", "fp16", "int8", "nf4"]
+    for bandwidth in sorted((10 ** (k / 4) for k in range(20, 44)), reverse=True):
+        chosen = choose_codec(bandwidth, 2**20)
+        assert order.index(chosen) >= order.index(previous)
+        previous = chosen
+
+
+def test_hivemind_adapter_uses_the_same_kernels():
+    x = _randn(70, 33)
+    out = HivemindCodec().extract(HivemindCodec().compress(x, CompressionInfo.from_tensor(x)))
+    assert torch.equal(out, roundtrip(x, "int8"))
+
+
+@pytest.mark.swarm
+def test_compressed_frames_over_the_real_transport_and_its_byte_counters():
+    from hivemind.p2p import P2P
+
+    from swarmtrain.transport import TensorTransport, handler_name
+
+    x = _randn(4, 16, 64)
+    seen = {}
+
+    async def backward(frame: Frame, peer: str) -> Frame:  # a stage answering with a compressed gradient
+        seen.update(codecs=frame.codecs, x=frame.tensors["x"])
+        return Frame(
+            kind="result",
+            run_id=frame.run_id,
+            tensors={"grad": frame.tensors["x"] * 2},
+            codecs={"grad": "nf4"},
+        )
+
+    async def go():
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+        try:
+            served = TensorTransport(server)
+            await served.serve(handler_name("run-1"), backward)
+            caller = TensorTransport(client)
+            request = Frame(kind="forward", run_id="run-1", tensors={"x": x}, codecs={"x": "int8"})
+            reply = await caller.call(
+                server.peer_id.to_base58(), handler_name("run-1"), request, timeout_s=30
+            )
+            return served, caller, reply
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    served, caller, reply = asyncio.run(go())
+    assert seen["codecs"] == {"x": "int8"} and torch.equal(seen["x"], roundtrip(x, "int8"))
+    assert reply.codecs == {"grad": "nf4"}
+    assert torch.equal(reply.tensors["grad"], roundtrip(roundtrip(x, "int8") * 2, "nf4"))
+    int8_bytes, nf4_bytes = 4 * 16 + x.numel(), 4 * 64 + x.numel() // 2
+    assert (caller.bytes_sent, caller.raw_bytes_sent, caller.bytes_received) == (
+        int8_bytes,
+        x.nbytes,
+        nf4_bytes,
+    )
+    assert (served.bytes_received, served.bytes_sent, served.raw_bytes_sent) == (
+        int8_bytes,
+        nf4_bytes,
+        x.nbytes,
+    )

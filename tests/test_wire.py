@@ -13,8 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarmtrain.compress import codec_names, encode_tensor, get_codec, roundtrip  # registers the codecs
 from swarmtrain.errors import BadFrameError, ConfigError
 from swarmtrain.wire import frames
+from swarmtrain.wire.codec import Encoded, known_codecs
 from swarmtrain.wire.frames import (
     DTYPES,
     FRAME_KINDS,
@@ -29,8 +31,10 @@ from swarmtrain.wire.frames import (
     write_frame,
 )
 from swarmtrain.wire.records import (
+    CODEC_CHOICES,
     WIRE_VERSION,
     BatchConfig,
+    CompressionConfig,
     OptimizerConfig,
     PeerRecord,
     RunManifest,
@@ -357,7 +361,10 @@ def test_too_many_tensors():
         ),
         (["x", ["float32"], [2, 3], "none", 24], r"tensor 'x': unsupported dtype \['float32'\]"),
         (["x", {"a": 1}, [2, 3], "none", 24], r"tensor 'x': unsupported dtype \{'a': 1\}"),
-        (spec(codec="zstd"), r"tensor 'x': unknown codec 'zstd' \(known: none\)"),
+        (
+            spec(codec="zstd"),
+            r"tensor 'x': unknown codec 'zstd' \(known: none, fp16, bf16, int8, nf4, uint4\)",
+        ),
         (["x", "float32", [2, -3], "none", 0], r"shape must be at most 8 non-negative ints, got \[2, -3\]"),
         (["x", "float32", [1] * (MAX_NDIM + 1), "none", 4], "shape must be at most 8 non-negative ints"),
         (["x", "float32", [2.0, 3], "none", 24], r"got \[2\.0, 3\]"),
@@ -415,6 +422,164 @@ def test_truncated_stream_raises_incomplete_read(cut):
         read_bytes(data[:end])
     with pytest.raises(asyncio.IncompleteReadError):
         read_bytes(b"")
+
+
+# frames: compressed tensors
+
+LOSSY = [name for name in codec_names() if name != "none"]
+
+
+def int8_spec(name="x", shape=(2, 300), **meta_overrides) -> list:
+    """A valid int8 spec for `shape`, with its meta changed by `meta_overrides`."""
+    numel = math.prod(shape)
+    meta = {"codec": "int8", "numel": numel, "block_size": 256} | meta_overrides
+    return [name, "float32", list(shape), "int8", 4 * -(-numel // 256) + numel, meta]
+
+
+def test_registry_seen_by_frames():
+    assert known_codecs() == codec_names()
+    assert set(CODEC_CHOICES) == {*codec_names(), "auto"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", codec_names())
+def test_round_trip_of_every_codec_through_a_real_stream(name, dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 16, 33, generator=gen).to(dtype)  # 2112 values: a partial last block
+    tensors = {
+        "odd": torch.arange(3, dtype=torch.uint8),  # puts x at an unaligned payload offset
+        "x": x,
+        "targets": torch.randint(0, 256, (4, 16), generator=gen),
+        "empty": torch.empty(0, 5, dtype=dtype),
+        "scalar": torch.tensor(1.5, dtype=dtype),
+        "raw": torch.randn(7, generator=gen),
+    }
+    codecs = {"x": name, "empty": name, "scalar": name}
+    frame = Frame(kind="forward", run_id="r", mb_id="t:0:1", stage=1, tensors=tensors, codecs=codecs)
+    data = encoded(frame)
+
+    got = read_bytes(data)
+
+    assert list(got.tensors) == list(tensors)
+    for key, t in tensors.items():
+        u = got.tensors[key]
+        assert (u.shape, u.dtype) == (t.shape, t.dtype), key
+        want = roundtrip(t, name) if key in codecs else t
+        assert torch.equal(u, want), key  # exactly what the codec decodes, nothing else touched
+    assert got.codecs == ({} if name == "none" else codecs)
+    header_len = struct.unpack_from("<I", data, 4)[0]
+    assert got.wire_nbytes == len(data) - PREFIX.size - header_len
+    assert frame.raw_nbytes() == sum(t.nbytes for t in tensors.values())
+    wire = {k: get_codec(name).encode(t)[0].numel() if k in codecs and name != "none" else t.nbytes
+            for k, t in tensors.items()}  # fmt: skip
+    assert got.wire_nbytes == sum(wire.values())
+
+
+def test_pre_encoded_tensors_travel_as_they_are_and_write_frame_returns_wire_bytes():
+    x = torch.randn(3, 100)
+    enc = encode_tensor(x, "nf4")
+    frame = Frame(kind="grads", run_id="r", step=4, tensors={"0": enc, "1": torch.ones(2)})
+    assert frame.raw_nbytes() == x.nbytes + 8
+
+    class Writer:
+        data = bytearray()
+
+        def write(self, buf):
+            self.data += buf
+
+        async def drain(self):
+            pass
+
+    writer = Writer()
+    wire = asyncio.run(write_frame(writer, frame))
+    assert wire == enc.nbytes + 8
+    got = read_bytes(bytes(writer.data))
+    assert got.wire_nbytes == wire and got.codecs == {"0": "nf4"}
+    assert torch.equal(got.tensors["0"], roundtrip(x, "nf4"))
+
+
+def test_sender_refuses_what_it_cannot_compress():
+    def frame(tensors, codecs):
+        return Frame(kind="forward", run_id="r", tensors=tensors, codecs=codecs)
+
+    x = torch.randn(10)
+    bad = x.clone()
+    bad[3] = math.inf
+    cases = [
+        (frame({"x": bad}, {"x": "int8"}), "inf/NaN"),  # nothing non-finite goes out compressed
+        (frame({"x": bad}, {"x": "fp16"}), "inf/NaN"),
+        (frame({"x": torch.full((2,), 1e6)}, {"x": "fp16"}), "inf/NaN"),  # beyond fp16's range
+        (frame({"t": torch.arange(4)}, {"t": "int8"}), "codec 'int8' compresses float tensors"),
+        (frame({"x": x}, {"x": "zstd"}), "unknown codec 'zstd'"),
+        (frame({"x": x}, {"y": "int8"}), r"codecs name tensors the frame does not hold: \['y'\]"),
+        (frame({"x": encode_tensor(x, "int8")}, {"x": "int8"}), "already encoded"),
+    ]
+    for f, match in cases:
+        with pytest.raises(ValueError, match=match):
+            encode_frame(f)
+
+
+def test_compressed_tensor_specs_are_checked_before_the_payload():
+    ok = int8_spec()
+    assert read_bytes(raw_frame(header(tensors=[ok]), ok[4], bytes(ok[4]))).tensors["x"].shape == (2, 300)
+    cases = [
+        (["x", "float32", [2, 3], "zstd", 6, {}], r"tensor 'x': unknown codec 'zstd' \(known: none, "),
+        (["x", "float32", [2, 3], ["int8"], 6, {}], r"tensor 'x': unknown codec \['int8'\]"),
+        (int8_spec()[:5], r"tensor 'x': codec 'int8' needs its meta as the spec's 6th field"),
+        (spec() + [{}], "tensor 'x': codec 'none' takes no codec meta"),
+        (["x", "int32", [4], "int8", 8, {}], "tensor 'x': codec 'int8' decodes to floats, not int32"),
+        (int8_spec(block_size=128), "tensor 'x': int8 frame has block size 128, expected 256"),
+        (int8_spec(block_size="256"), "tensor 'x': int8 frame has block size '256', expected 256"),
+        (int8_spec(numel=599), r"tensor 'x': meta numel 599 does not match shape \(2, 300\) \(600 values\)"),
+        (int8_spec(numel=True), "codec 'int8' meta must map"),  # a bool is no count
+        (int8_spec(numel=599.0), "meta numel 599.0 does not match"),
+        (int8_spec(codec="nf4"), "tensor 'x': frame says codec 'nf4', decoding with 'int8'"),
+        (int8_spec()[:5] + [[256]], r"tensor 'x': codec 'int8' meta must map at most 8 short names"),
+        (int8_spec(extra=[1, 2]), "codec 'int8' meta must map"),
+        (int8_spec(extra={"a": 1}), "codec 'int8' meta must map"),
+        (int8_spec(extra=True), "codec 'int8' meta must map"),
+        (int8_spec(extra=None), "codec 'int8' meta must map"),
+        (int8_spec(extra="s" * 33), "codec 'int8' meta must map"),
+        (int8_spec(**{f"k{i}": i for i in range(6)}), "codec 'int8' meta must map at most 8"),
+        (int8_spec()[:4] + [100, int8_spec()[5]], r"tensor 'x': 100 bytes do not match codec int8 .* \(612 bytes\)"),
+        (int8_spec()[:4] + [612.0, int8_spec()[5]], "612.0 bytes do not match"),
+        (["x", "float32", [10], "fp16", 20, {"codec": "fp16", "numel": 10, "wire_dtype": "float32"}],
+         "tensor 'x': codec 'fp16': bad wire dtype 'float32'"),
+        (["x", "float32", [10], "nf4", 5 + 4, {"codec": "nf4", "numel": 10, "block_size": 4096}],
+         "tensor 'x': nf4 frame has block size 4096, expected 64"),
+    ]  # fmt: skip
+    for bad_spec, match in cases:
+        rejects(raw_frame(header(tensors=[bad_spec]), 0), match)  # refused with the payload unread
+
+
+def test_payload_and_decoded_sizes_of_compressed_frames():
+    specs = [int8_spec("a"), int8_spec("b", shape=(64,))]  # 612 + 68 bytes
+    rejects(raw_frame(header(tensors=specs), 681), "frame payload is 681 bytes but its tensors need 680")
+    data = raw_frame(header(tensors=specs), 680)
+    # 600 + 64 fp32 values decode to 2656 bytes: over a decoded limit, refused before the payload.
+    rejects(data, "frame tensors decode to 2656 bytes, over the limit of 2655 bytes", max_decoded_bytes=2655)
+    with pytest.raises(asyncio.IncompleteReadError):
+        read_bytes(data, max_decoded_bytes=2656)  # within the limit: the reader waits for the payload
+    # The default limit (MAX_DECODE_EXPANSION x max_frame_bytes) admits any codec's largest
+    # expansion, fp32 from 4-bit at the largest block size, so it only stops forged frames.
+    assert frames.MAX_DECODE_EXPANSION >= 32 / (4 + 32 / 4096)
+    with pytest.raises(asyncio.IncompleteReadError):
+        read_bytes(data, max_frame_bytes=680)
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_nonfinite_values_decoded_from_a_payload_are_refused(name):
+    x = torch.randn(300)
+    enc = encode_tensor(x, name)
+    payload = enc.payload.clone()
+    # the first block's fp32 absmax (int8, 4-bit) or the first value (fp16, bf16) becomes NaN
+    first = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(name, torch.float32)
+    nan = torch.tensor([math.nan], dtype=first).view(torch.uint8)
+    payload[: nan.numel()] = nan
+    poisoned = Encoded(codec=name, payload=payload, meta=enc.meta, shape=enc.shape, dtype=enc.dtype)
+    data = encoded(Frame(kind="result", run_id="r", tensors={"grad": poisoned}))
+    rejects(data, "tensor 'grad' holds NaN or inf values")
+    assert not torch.isfinite(read_bytes(data, allow_nonfinite=True).tensors["grad"]).all()
 
 
 # records
@@ -584,3 +749,57 @@ def test_peer_record():
         PeerRecord.from_dict(rec.to_dict() | {"addr": "x"})
     with pytest.raises(ConfigError, match="peer record: .*role"):
         PeerRecord.from_dict({"peer_id": "QmPeer"})
+
+
+def test_compression_config_in_the_manifest():
+    assert manifest().compression == CompressionConfig()  # none everywhere by default
+    assert not CompressionConfig().is_enabled
+    cfg = CompressionConfig(activations="int8", gradients="nf4", averaging="auto", error_feedback=False)
+    assert cfg.is_enabled
+    m = manifest(compression=cfg)
+    data = msgpack.unpackb(msgpack.packb(m.to_dict(), use_bin_type=True), raw=False)
+    assert data["compression"] == {
+        "activations": "int8",
+        "gradients": "nf4",
+        "averaging": "auto",
+        "error_feedback": False,
+    }
+    assert RunManifest.from_dict(data) == m and RunManifest.from_dict(data).compression == cfg
+    older = dict(data)
+    del older["compression"]
+    assert RunManifest.from_dict(older).compression == CompressionConfig()
+    for choice in CODEC_CHOICES:
+        assert CompressionConfig(activations=choice, gradients=choice, averaging=choice).activations == choice
+
+
+@pytest.mark.parametrize("direction", ["activations", "gradients", "averaging"])
+@pytest.mark.parametrize("bad", ["zstd", "INT8", "", None, 8])
+def test_bad_compression_settings_name_the_flag(direction, bad):
+    with pytest.raises(ConfigError, match=f"unknown codec {bad!r} for {direction}: choose one of none, fp16.*auto "
+                       rf"\(--compress-{direction}\)"):  # fmt: skip
+        CompressionConfig(**{direction: bad})
+    data = manifest().to_dict()
+    with pytest.raises(ConfigError, match=f"unknown codec {bad!r} for {direction}"):
+        RunManifest.from_dict(data | {"compression": {direction: bad}})
+
+
+def test_the_coordinator_publishes_the_compression_config():
+    from swarmtrain.peers.coordinator import CoordinatorConfig, make_manifest
+
+    cfg = CompressionConfig(activations="int8", gradients="int8", averaging="nf4")
+    m = make_manifest(
+        CoordinatorConfig(model_config={"n_layer": 2, "d_model": 32}, num_stages=2, compression=cfg)
+    )
+    assert m.compression == cfg
+    assert make_manifest(CoordinatorConfig(num_stages=2)).compression == CompressionConfig()
+
+
+def test_bad_compression_fields():
+    with pytest.raises(ConfigError, match=r"error_feedback must be true or false, got 1 \(--error-feedback"):
+        CompressionConfig(error_feedback=1)
+    with pytest.raises(ConfigError, match=r"compression: unknown fields \['per_boundary'\]"):
+        CompressionConfig.from_dict({"per_boundary": ["int8"]})
+    with pytest.raises(ConfigError, match="manifest: compression must be a mapping"):
+        RunManifest.from_dict(manifest().to_dict() | {"compression": "int8"})
+    with pytest.raises(ConfigError, match="manifest: compression must be a mapping"):
+        manifest(compression="int8")

@@ -1,9 +1,11 @@
 """Tensor codecs: one small interface, a few implementations, a registry by name.
 
 A codec turns a float tensor into a flat uint8 payload plus a dict of scalars (`meta`) and
-back. `decode` checks meta and the payload size against the shape and dtype the frame
-declares before it allocates anything, and raises BadFrameError naming the first problem, so
-a hostile or corrupt frame costs no memory.
+back. `payload_nbytes` checks meta against the shape and dtype the frame declares and says
+how many payload bytes they need; `decode` checks the same and the payload's size before it
+allocates anything. Both raise BadFrameError naming the first problem, so a hostile or
+corrupt frame costs no memory. The interface (`Codec`) lives in swarmtrain.wire.codec;
+importing this module registers the codecs there, so frames can carry them.
 
 Payload layouts (little-endian, as torch stores them):
 - none / fp16 / bf16: the raw values.
@@ -13,35 +15,14 @@ Payload layouts (little-endian, as torch stores them):
 
 from dataclasses import dataclass
 from math import prod
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from swarmtrain import kernels
 from swarmtrain.errors import BadFrameError
-
-Meta = dict[str, int | float | str]
+from swarmtrain.wire.codec import Codec, Meta, register_codec
 
 DTYPES_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@runtime_checkable
-class Codec(Protocol):
-    """Encodes a float tensor into (payload, meta) and back.
-
-    encode(t) -> (payload, meta): payload is a flat contiguous uint8 tensor on t's device,
-    meta a dict of scalars to send beside it. decode(payload, meta, shape, dtype) returns a
-    tensor of `shape` and `dtype` on payload's device, or raises BadFrameError when meta or
-    the payload size do not match (checked before allocating).
-    """
-
-    name: str
-
-    def encode(self, t: torch.Tensor) -> tuple[torch.Tensor, Meta]: ...
-
-    def decode(
-        self, payload: torch.Tensor, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor: ...
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -52,33 +33,36 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _check_frame(
-    payload: torch.Tensor, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype, name: str
-) -> int:
-    """Common checks; returns numel."""
-    if meta.get("codec") != name:
-        raise BadFrameError(f"frame says codec {meta.get('codec')!r}, decoding with {name!r}")
+def _check_meta(meta: Meta, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> int:
+    """Checks every codec makes of meta, shape and dtype; returns numel."""
+    if not isinstance(meta, dict) or meta.get("codec") != name:
+        codec = meta.get("codec") if isinstance(meta, dict) else meta
+        raise BadFrameError(f"frame says codec {codec!r}, decoding with {name!r}")
     if dtype not in kernels.FLOAT_DTYPES:
         raise BadFrameError(f"codec {name!r} decodes to float32/float16/bfloat16, frame asks for {dtype}")
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise BadFrameError(
-            f"payload must be a flat uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}"
-        )
-    if any(not isinstance(d, int) or d < 0 for d in shape):
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
         raise BadFrameError(f"bad shape {shape!r}")
     numel = prod(shape)
-    if meta.get("numel") != numel:
+    if type(meta.get("numel")) is not int or meta["numel"] != numel:
         raise BadFrameError(
             f"meta numel {meta.get('numel')!r} does not match shape {tuple(shape)} ({numel} values)"
         )
     return numel
 
 
-def _check_size(payload: torch.Tensor, expected: int, name: str, numel: int) -> None:
-    if payload.numel() != expected:
+def _check_block_size(meta: Meta, block_size: int, name: str) -> None:
+    got = meta.get("block_size")
+    if type(got) is not int or got != block_size:
+        raise BadFrameError(f"{name} frame has block size {got!r}, expected {block_size}")
+
+
+def _check_payload(payload: torch.Tensor, expected: int, name: str) -> None:
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise BadFrameError(
-            f"codec {name!r}: {numel} values need {expected} payload bytes, got {payload.numel()}"
+            f"payload must be a flat uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}"
         )
+    if payload.numel() != expected:
+        raise BadFrameError(f"codec {name!r} needs {expected} payload bytes, got {payload.numel()}")
 
 
 @dataclass(frozen=True)
@@ -98,15 +82,23 @@ class CastCodec:
             "wire_dtype": _dtype_name(wire.dtype),
         }
 
+    def _wire_dtype(self, meta: Meta) -> torch.dtype:
+        wire_dtype = (
+            DTYPES_BY_NAME.get(meta.get("wire_dtype")) if isinstance(meta.get("wire_dtype"), str) else None
+        )
+        if wire_dtype is None or (self.wire_dtype is not None and wire_dtype != self.wire_dtype):
+            raise BadFrameError(f"codec {self.name!r}: bad wire dtype {meta.get('wire_dtype')!r}")
+        return wire_dtype
+
+    def payload_nbytes(self, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        numel = _check_meta(meta, shape, dtype, self.name)
+        return numel * self._wire_dtype(meta).itemsize
+
     def decode(
         self, payload: torch.Tensor, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
-        numel = _check_frame(payload, meta, shape, dtype, self.name)
-        wire_dtype = DTYPES_BY_NAME.get(str(meta.get("wire_dtype")))
-        if wire_dtype is None or (self.wire_dtype is not None and wire_dtype != self.wire_dtype):
-            raise BadFrameError(f"codec {self.name!r}: bad wire dtype {meta.get('wire_dtype')!r}")
-        _check_size(payload, numel * wire_dtype.itemsize, self.name, numel)
-        return payload.view(wire_dtype).to(dtype).view(shape)
+        _check_payload(payload, self.payload_nbytes(meta, shape, dtype), self.name)
+        return payload.view(self._wire_dtype(meta)).to(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -124,16 +116,25 @@ class Int8Codec:
         payload = torch.cat((_as_bytes(absmax), _as_bytes(q)))
         return payload, {"codec": self.name, "numel": t.numel(), "block_size": self.block_size}
 
+    def encode_feedback(self, g: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, Meta]:
+        """encode(g + residual) in one fused pass; residual <- g + residual - decoded, in place.
+
+        `residual` is a contiguous fp32 tensor with g.numel() values on g's device.
+        """
+        q, absmax = kernels.quantize_int8_error_feedback(g, residual, self.block_size)
+        payload = torch.cat((_as_bytes(absmax), _as_bytes(q)))
+        return payload, {"codec": self.name, "numel": g.numel(), "block_size": self.block_size}
+
+    def payload_nbytes(self, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        numel = _check_meta(meta, shape, dtype, self.name)
+        _check_block_size(meta, self.block_size, self.name)
+        return 4 * kernels.num_blocks(numel, self.block_size) + numel
+
     def decode(
         self, payload: torch.Tensor, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
-        numel = _check_frame(payload, meta, shape, dtype, self.name)
-        if meta.get("block_size") != self.block_size:
-            raise BadFrameError(
-                f"int8 frame has block size {meta.get('block_size')!r}, expected {self.block_size}"
-            )
-        scale_bytes = 4 * kernels.num_blocks(numel, self.block_size)
-        _check_size(payload, scale_bytes + numel, self.name, numel)
+        _check_payload(payload, self.payload_nbytes(meta, shape, dtype), self.name)
+        scale_bytes = 4 * kernels.num_blocks(prod(shape), self.block_size)
         absmax = payload[:scale_bytes].view(torch.float32)
         q = payload[scale_bytes:].view(torch.int8)
         return kernels.dequantize_int8(q, absmax, self.block_size, dtype).view(shape)
@@ -158,16 +159,17 @@ class FourBitCodec:
         payload = torch.cat((_as_bytes(absmax), packed))
         return payload, {"codec": self.name, "numel": t.numel(), "block_size": self.block_size}
 
+    def payload_nbytes(self, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        numel = _check_meta(meta, shape, dtype, self.name)
+        _check_block_size(meta, self.block_size, self.name)
+        return 4 * kernels.num_blocks(numel, self.block_size) + (numel + 1) // 2
+
     def decode(
         self, payload: torch.Tensor, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
-        numel = _check_frame(payload, meta, shape, dtype, self.name)
-        if meta.get("block_size") != self.block_size:
-            raise BadFrameError(
-                f"{self.name} frame has block size {meta.get('block_size')!r}, expected {self.block_size}"
-            )
+        _check_payload(payload, self.payload_nbytes(meta, shape, dtype), self.name)
+        numel = prod(shape)
         scale_bytes = 4 * kernels.num_blocks(numel, self.block_size)
-        _check_size(payload, scale_bytes + (numel + 1) // 2, self.name, numel)
         absmax = payload[:scale_bytes].view(torch.float32)
         out = kernels.dequantize_4bit(
             payload[scale_bytes:], absmax, numel, self.block_size, code=self.name, dtype=dtype
@@ -185,7 +187,13 @@ _CODECS: dict[str, Codec] = {
 }
 
 
+for _codec in _CODECS.values():
+    if _codec.name != "none":  # frames carry raw values themselves
+        register_codec(_codec)
+
+
 def codec_names() -> list[str]:
+    """Every codec name, 'none' first."""
     return list(_CODECS)
 
 

@@ -5,6 +5,10 @@ reads one reply frame; every call has a timeout. The serving side reads and vali
 request (size limit, header, tensors) before its handler sees it, and answers a bad frame
 with an error reply instead of failing: a misbehaving peer costs us one reply, and after
 `max_strikes` bad frames it is banned for `ban_s` seconds.
+
+Frames may carry compressed tensors (`Frame.codecs`); importing this module registers the
+codecs, so every peer can read them. Byte counters count what went on the wire, and
+`raw_bytes_sent` what that would have been uncompressed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 
+import swarmtrain.compress  # noqa: F401  (registers the codecs frames may carry)
 from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError
 from swarmtrain.wire.frames import DEFAULT_MAX_FRAME_BYTES, Frame, error_frame, read_frame, write_frame
 
@@ -62,7 +67,11 @@ class TensorTransport:
         self._strikes: dict[str, int] = {}
         self._banned_until: dict[str, float] = {}
         self.bytes_sent = 0
+        """Tensor payload bytes sent, as on the wire (compressed)."""
         self.bytes_received = 0
+        """Tensor payload bytes received, as on the wire."""
+        self.raw_bytes_sent = 0
+        """Tensor bytes sent before compression."""
 
     # serving
 
@@ -88,7 +97,7 @@ class TensorTransport:
             try:
                 reply = await self._answer(peer, reader, handler)
                 if reply is not None:
-                    await write_frame(writer, reply)
+                    self._count_sent(reply, await write_frame(writer, reply))
                     # Close only once the caller has closed its side: closing first can make
                     # the daemon reset the stream and cut off the tail of the reply.
                     await asyncio.wait_for(reader.read(1), LINGER_S)
@@ -116,14 +125,16 @@ class TensorTransport:
             return error_frame(
                 "", f"request did not arrive within {self.config.read_timeout_s} s", retryable=True
             )
-        self.bytes_received += sum(t.nbytes for t in request.tensors.values())
+        self.bytes_received += request.wire_nbytes
         try:
-            reply = await handler(request, peer)
+            return await handler(request, peer)
         except Exception as e:  # a bug here must cost one reply, not the caller's stream
             logger.exception("handler failed on a %s frame from %s", request.kind, peer[-8:])
             return error_frame(request.run_id, f"internal error on this peer: {e!r}", retryable=True)
-        self.bytes_sent += sum(t.nbytes for t in reply.tensors.values())
-        return reply
+
+    def _count_sent(self, frame: Frame, wire_nbytes: int) -> None:
+        self.bytes_sent += wire_nbytes
+        self.raw_bytes_sent += frame.raw_nbytes()
 
     # calling
 
@@ -149,12 +160,11 @@ class TensorTransport:
         except Exception as e:  # p2pd reports unreachable peers and unknown protocols as plain errors
             raise PeerUnreachableError(f"cannot open a stream to peer {peer[-8:]}: {e}") from None
         try:
-            await write_frame(writer, request)
-            self.bytes_sent += sum(t.nbytes for t in request.tensors.values())
+            self._count_sent(request, await write_frame(writer, request))
             reply = await read_frame(reader, max_frame_bytes=self.config.max_frame_bytes)
         finally:
             writer.close()
-        self.bytes_received += sum(t.nbytes for t in reply.tensors.values())
+        self.bytes_received += reply.wire_nbytes
         if reply.kind == "error":
             raise RemoteError(
                 reply.error_text(), peer=peer, retryable=bool(reply.meta.get("retryable", True))

@@ -1,8 +1,18 @@
+from swarmtrain.wire.codec import Encoded
 from swarmtrain.wire.frames import Frame, error_frame, read_frame, write_frame
-from swarmtrain.wire.records import BatchConfig, OptimizerConfig, PeerRecord, RunManifest, even_split
+from swarmtrain.wire.records import (
+    BatchConfig,
+    CompressionConfig,
+    OptimizerConfig,
+    PeerRecord,
+    RunManifest,
+    even_split,
+)
 
 __all__ = [
     "BatchConfig",
+    "CompressionConfig",
+    "Encoded",
     "Frame",
     "OptimizerConfig",
     "PeerRecord",

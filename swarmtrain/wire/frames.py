@@ -5,11 +5,20 @@ A frame is a fixed prefix, a msgpack header and a raw payload:
     magic b"STF1" | header_len: u32 LE | payload_len: u64 LE | header | payload
 
 The header names the frame's kind, run, microbatch and stage, small metadata values, and
-for each tensor its name, dtype, shape, codec and byte count; the payload is the tensors'
-bytes back to back, in header order. A reader checks the prefix against its limits before
-reading anything else, validates the whole header before reading the payload, and checks
-every tensor's byte count against its dtype and shape before making a tensor of it: a
-peer can make us reject a frame, never allocate what the header did not promise.
+for each tensor a spec: [name, dtype, shape, "none", nbytes] for raw values, or
+[name, dtype, shape, codec, nbytes, codec_meta] for a tensor a codec compressed (dtype and
+shape are then those of the decoded tensor, nbytes the compressed size). The payload is the
+tensors' bytes back to back, in header order.
+
+A reader checks the prefix against its limits before reading anything else, validates the
+whole header before reading the payload (for a compressed tensor: a known codec, its meta,
+and the payload size the codec needs for the declared shape; the decoded sizes against
+`max_decoded_bytes`), and decodes and checks for NaN/inf before handing tensors on: a peer
+can make us reject a frame, never allocate what the header did not promise.
+
+Senders choose codecs per tensor (`Frame(..., codecs={"x": "int8"})`) or put tensors they
+encoded themselves (`Encoded`, for error feedback) in `tensors`; receivers always get plain
+decoded tensors, and `wire_nbytes` says what the frame cost on the wire.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import numpy as np
 import torch
 
 from swarmtrain.errors import BadFrameError
+from swarmtrain.wire.codec import Encoded, Meta, find_codec, known_codecs
 
 MAGIC = b"STF1"
 PREFIX = struct.Struct("<4sIQ")  # magic, header_len, payload_len
@@ -56,8 +66,12 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-CODECS = ("none",)
 META_VALUE_TYPES = (int, float, str, bool, type(None))
+MAX_CODEC_META_ITEMS = 8
+MAX_CODEC_META_CHARS = 32
+"""Longest key or string value in a codec's meta."""
+MAX_DECODE_EXPANSION = 8
+"""Default limit on decoded / wire bytes (4-bit codecs decode to at most 8x their size in fp32)."""
 
 
 @dataclass(kw_only=True)
@@ -71,11 +85,21 @@ class Frame:
     stage: int = -1
     """The stage the frame is addressed to (requests) or comes from (replies)."""
     step: int = -1
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor | Encoded] = field(default_factory=dict)
+    """Sender: tensors to send, plain or already Encoded. Receiver: plain (decoded) CPU tensors."""
     meta: dict[str, Any] = field(default_factory=dict)
+    codecs: dict[str, str] = field(default_factory=dict)
+    """Sender: tensor name -> codec to compress that plain float tensor with (absent: raw).
+    Receiver: the codec of each tensor that came compressed."""
+    wire_nbytes: int = 0
+    """Receiver: payload bytes the frame took on the wire (set by read_frame)."""
 
     def error_text(self) -> str:
         return str(self.meta.get("error", "unknown error"))
+
+    def raw_nbytes(self) -> int:
+        """Bytes of the tensors uncompressed (the wire size if nothing were compressed)."""
+        return sum(t.raw_nbytes if isinstance(t, Encoded) else t.nbytes for t in self.tensors.values())
 
 
 def error_frame(run_id: str, message: str, *, retryable: bool, mb_id: str = "", stage: int = -1) -> Frame:
@@ -94,16 +118,46 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _encode(name: str, t: torch.Tensor, codec_name: str) -> Encoded:
+    codec = find_codec(codec_name)
+    if codec is None:
+        raise ValueError(
+            f"tensor {name!r}: unknown codec {codec_name!r} (known: {', '.join(known_codecs())})"
+        )
+    if not t.is_floating_point():
+        raise ValueError(f"tensor {name!r}: codec {codec_name!r} compresses float tensors, got {t.dtype}")
+    payload, meta = codec.encode(t.detach())  # ValueError for inf/NaN: nothing non-finite is sent
+    return Encoded(codec=codec_name, payload=payload, meta=meta, shape=tuple(t.shape), dtype=t.dtype)
+
+
 def encode_frame(frame: Frame) -> list[bytes | memoryview]:
-    """Serialize `frame` into buffers to write in order (tensor bytes are not copied)."""
+    """Serialize `frame` into buffers to write in order (raw tensor bytes are not copied).
+
+    Tensors named in `frame.codecs` are compressed first; ValueError for an unknown codec, a
+    non-float tensor given a codec, or inf/NaN in a tensor being compressed.
+    """
     if frame.kind not in FRAME_KINDS:
         raise ValueError(f"unknown frame kind {frame.kind!r}")
+    if unknown := set(frame.codecs) - set(frame.tensors):
+        raise ValueError(f"codecs name tensors the frame does not hold: {sorted(unknown)}")
     specs, buffers = [], []
     for name, t in frame.tensors.items():
+        if frame.codecs.get(name, "none") != "none":
+            if isinstance(t, Encoded):
+                raise ValueError(f"tensor {name!r} is already encoded with {t.codec!r}; drop it from codecs")
+            t = _encode(name, t, frame.codecs[name])
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which frames do not carry")
-        buf = _tensor_bytes(t)
-        specs.append([name, DTYPE_NAMES[t.dtype], list(t.shape), "none", buf.nbytes])
+        if isinstance(t, Encoded):
+            if find_codec(t.codec) is None:
+                raise ValueError(
+                    f"tensor {name!r}: unknown codec {t.codec!r} (known: {', '.join(known_codecs())})"
+                )
+            buf = _tensor_bytes(t.payload)
+            specs.append([name, DTYPE_NAMES[t.dtype], list(t.shape), t.codec, buf.nbytes, dict(t.meta)])
+        else:
+            buf = _tensor_bytes(t)
+            specs.append([name, DTYPE_NAMES[t.dtype], list(t.shape), "none", buf.nbytes])
         buffers.append(buf)
     header = msgpack.packb(
         {
@@ -128,8 +182,78 @@ def _check(cond: bool, message: str) -> None:
         raise BadFrameError(message)
 
 
-def parse_header(raw: bytes, payload_len: int) -> dict:
-    """Decode and validate a header; raises BadFrameError naming the first problem."""
+def _check_codec_meta(name: str, codec: str, meta: Any) -> None:
+    _check(
+        isinstance(meta, dict)
+        and len(meta) <= MAX_CODEC_META_ITEMS
+        and all(
+            isinstance(k, str)
+            and len(k) <= MAX_CODEC_META_CHARS
+            and isinstance(v, (int, float, str))
+            and not isinstance(v, bool)
+            and (not isinstance(v, str) or len(v) <= MAX_CODEC_META_CHARS)
+            for k, v in meta.items()
+        ),
+        f"tensor {name!r}: codec {codec!r} meta must map at most {MAX_CODEC_META_ITEMS} short names to "
+        f"numbers or short strings, got {meta!r:.120}",
+    )
+
+
+def _spec_nbytes(spec: list) -> tuple[int, int]:
+    """Validate one tensor spec; returns (payload bytes it needs, decoded bytes)."""
+    _check(
+        isinstance(spec, list) and len(spec) in (5, 6),
+        "tensor spec must be [name, dtype, shape, codec, nbytes] or [name, dtype, shape, codec, nbytes, codec_meta]",
+    )
+    name, dtype, shape, codec, nbytes = spec[:5]
+    _check(isinstance(name, str), f"tensor name {name!r} is not a new string")
+    _check(
+        isinstance(dtype, str) and dtype in DTYPES,  # a list or map here is unhashable, not a TypeError
+        f"tensor {name!r}: unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})",
+    )
+    _check(
+        codec == "none" or find_codec(codec) is not None,
+        f"tensor {name!r}: unknown codec {codec!r} (known: {', '.join(known_codecs())})",
+    )
+    _check(
+        isinstance(shape, list)
+        and len(shape) <= MAX_NDIM
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape),
+        f"tensor {name!r}: shape must be at most {MAX_NDIM} non-negative ints, got {shape!r}",
+    )
+    decoded = math.prod(shape) * DTYPES[dtype].itemsize
+    if codec == "none":
+        _check(len(spec) == 5, f"tensor {name!r}: codec 'none' takes no codec meta")
+        want = decoded
+        _check(
+            isinstance(nbytes, int) and nbytes == want,
+            f"tensor {name!r}: {nbytes!r} bytes do not match dtype {dtype} and shape {shape} ({want} bytes)",
+        )
+        return want, decoded
+    _check(len(spec) == 6, f"tensor {name!r}: codec {codec!r} needs its meta as the spec's 6th field")
+    _check(
+        DTYPES[dtype].is_floating_point, f"tensor {name!r}: codec {codec!r} decodes to floats, not {dtype}"
+    )
+    meta: Meta = spec[5]
+    _check_codec_meta(name, codec, meta)
+    try:
+        want = find_codec(codec).payload_nbytes(meta, tuple(shape), DTYPES[dtype])
+    except BadFrameError as e:
+        raise BadFrameError(f"tensor {name!r}: {e}") from None
+    _check(
+        isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes == want,
+        f"tensor {name!r}: {nbytes!r} bytes do not match codec {codec} for dtype {dtype} and shape {shape} "
+        f"({want} bytes)",
+    )
+    return want, decoded
+
+
+def parse_header(raw: bytes, payload_len: int, *, max_decoded_bytes: int | None = None) -> dict:
+    """Decode and validate a header; raises BadFrameError naming the first problem.
+
+    `max_decoded_bytes` bounds the tensors' total size once decoded (None: no bound beyond
+    what the payload size implies).
+    """
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as e:
@@ -155,34 +279,18 @@ def parse_header(raw: bytes, payload_len: int) -> dict:
     _check(
         isinstance(specs, list) and len(specs) <= MAX_TENSORS, f"a frame holds at most {MAX_TENSORS} tensors"
     )
-    total, names = 0, set()
+    total, total_decoded, names = 0, 0, set()
     for spec in specs:
-        _check(
-            isinstance(spec, list) and len(spec) == 5,
-            "tensor spec must be [name, dtype, shape, codec, nbytes]",
-        )
-        name, dtype, shape, codec, nbytes = spec
-        _check(isinstance(name, str) and name not in names, f"tensor name {name!r} is not a new string")
-        names.add(name)
-        _check(
-            isinstance(dtype, str) and dtype in DTYPES,  # a list or map here is unhashable, not a TypeError
-            f"tensor {name!r}: unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})",
-        )
-        _check(codec in CODECS, f"tensor {name!r}: unknown codec {codec!r} (known: {', '.join(CODECS)})")
-        _check(
-            isinstance(shape, list)
-            and len(shape) <= MAX_NDIM
-            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape),
-            f"tensor {name!r}: shape must be at most {MAX_NDIM} non-negative ints, got {shape!r}",
-        )
-        itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-        want = math.prod(shape) * itemsize
-        _check(
-            isinstance(nbytes, int) and nbytes == want,
-            f"tensor {name!r}: {nbytes!r} bytes do not match dtype {dtype} and shape {shape} ({want} bytes)",
-        )
+        want, decoded = _spec_nbytes(spec)
+        _check(spec[0] not in names, f"tensor name {spec[0]!r} is not a new string")
+        names.add(spec[0])
         total += want
+        total_decoded += decoded
     _check(total == payload_len, f"frame payload is {payload_len} bytes but its tensors need {total}")
+    _check(
+        max_decoded_bytes is None or total_decoded <= max_decoded_bytes,
+        f"frame tensors decode to {total_decoded} bytes, over the limit of {max_decoded_bytes} bytes",
+    )
     return header
 
 
@@ -212,16 +320,28 @@ def all_finite(t: torch.Tensor) -> bool:
 def decode_tensors(
     header: dict, payload: bytearray, *, allow_nonfinite: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Tensors of a validated header, viewing `payload`; rejects NaN/inf unless allowed."""
+    """Tensors of a validated header: raw ones view `payload`, compressed ones are decoded.
+
+    Rejects NaN/inf (after decoding) unless allowed.
+    """
     tensors, offset = {}, 0
-    for name, dtype, shape, _codec, nbytes in header["tensors"]:
-        if nbytes:
+    for name, dtype, shape, codec, nbytes, *codec_meta in header["tensors"]:
+        if codec != "none":
+            raw = (
+                torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=offset)
+                if nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            try:
+                t = find_codec(codec).decode(raw, codec_meta[0], tuple(shape), DTYPES[dtype])
+            except BadFrameError as e:
+                raise BadFrameError(f"tensor {name!r}: {e}") from None
+        elif nbytes:
             t = torch.frombuffer(
                 payload, dtype=DTYPES[dtype], count=nbytes // DTYPES[dtype].itemsize, offset=offset
-            )
+            ).view(shape)
         else:
-            t = torch.empty(0, dtype=DTYPES[dtype])
-        t = t.view(shape)
+            t = torch.empty(0, dtype=DTYPES[dtype]).view(shape)
         if t.is_floating_point() and not allow_nonfinite and not all_finite(t):
             raise BadFrameError(f"tensor {name!r} holds NaN or inf values")
         tensors[name] = t
@@ -233,9 +353,16 @@ async def read_frame(
     reader: asyncio.StreamReader,
     *,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    max_decoded_bytes: int | None = None,
     allow_nonfinite: bool = False,
 ) -> Frame:
-    """Read one frame. Raises BadFrameError for a malformed one, IncompleteReadError on EOF."""
+    """Read one frame. Raises BadFrameError for a malformed one, IncompleteReadError on EOF.
+
+    `max_frame_bytes` bounds the payload as it comes off the wire, `max_decoded_bytes` the
+    tensors once decoded (default MAX_DECODE_EXPANSION x max_frame_bytes).
+    """
+    if max_decoded_bytes is None:
+        max_decoded_bytes = MAX_DECODE_EXPANSION * max_frame_bytes
     prefix = await reader.readexactly(PREFIX.size)
     magic, header_len, payload_len = PREFIX.unpack(prefix)
     _check(magic == MAGIC, f"not a swarmtrain frame (magic {magic!r}, expected {MAGIC!r})")
@@ -244,7 +371,9 @@ async def read_frame(
         payload_len <= max_frame_bytes,
         f"frame payload of {payload_len} bytes exceeds the limit of {max_frame_bytes} bytes",
     )
-    header = parse_header(await reader.readexactly(header_len), payload_len)
+    header = parse_header(
+        await reader.readexactly(header_len), payload_len, max_decoded_bytes=max_decoded_bytes
+    )
     payload = bytearray(payload_len)
     view, got = memoryview(payload), 0
     while got < payload_len:
@@ -261,17 +390,22 @@ async def read_frame(
         step=header["step"],
         tensors=decode_tensors(header, payload, allow_nonfinite=allow_nonfinite),
         meta=header["meta"],
+        codecs={spec[0]: spec[3] for spec in header["tensors"] if spec[3] != "none"},
+        wire_nbytes=payload_len,
     )
 
 
-async def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> None:
+async def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> int:
+    """Write `frame` (compressing what `frame.codecs` names); returns its payload bytes on the wire."""
     # every separate send is a hop through both p2p daemons: send small frames whole, and a
     # large frame's prefix and header together (copying its payload would cost more)
     prefix, header, *payload = encode_frame(frame)
-    if sum(b.nbytes for b in payload) <= 64 * 1024:
+    payload_len = sum(b.nbytes for b in payload)
+    if payload_len <= 64 * 1024:
         writer.write(b"".join([prefix, header, *payload]))
     else:
         writer.write(prefix + header)
         for buf in payload:
             writer.write(buf)
     await writer.drain()
+    return payload_len

@@ -14,11 +14,14 @@ from typing import Any
 
 from swarmtrain.errors import ConfigError
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PEER_ROLES = ("coordinator", "stage", "trainer")
 SCHEDULES = ("readiness", "static")
 """How stage peers order their work and route microbatches (see swarmtrain/schedule)."""
+CODEC_CHOICES = ("none", "fp16", "bf16", "int8", "nf4", "uint4", "auto")
+"""Codec settings a manifest may name: swarmtrain.compress's codecs, or 'auto' (chosen per link
+by swarmtrain.compress.policy from its measured bandwidth)."""
 PEER_STATES = ("joining", "serving", "draining")
 MAX_BANNED_LISTED = 16
 """Banned peers a peer record lists at most (a record stays small whatever a peer sees)."""
@@ -117,6 +120,49 @@ class BatchConfig:
         return _from_dict(cls, data, "batch")
 
 
+@dataclass(frozen=True, kw_only=True)
+class CompressionConfig:
+    """How tensors are compressed on the wire, per direction (DESIGN.md section 7).
+
+    Each is one of CODEC_CHOICES; the default, 'none' everywhere, sends raw values.
+    """
+
+    activations: str = "none"
+    """Codec of the activations a stage sends forward to the next (--compress-activations)."""
+    gradients: str = "none"
+    """Codec of the activation gradients a stage sends backward (--compress-gradients)."""
+    averaging: str = "none"
+    """Codec of the gradient sums the replicas of a stage exchange (--compress-averaging)."""
+    error_feedback: bool = True
+    """Gradient and averaging codecs carry what they dropped into the next send (--error-feedback)."""
+
+    def __post_init__(self):
+        for name in ("activations", "gradients", "averaging"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in CODEC_CHOICES:
+                raise ConfigError(
+                    f"unknown codec {value!r} for {name}: choose one of {', '.join(CODEC_CHOICES)} "
+                    f"(--compress-{name})"
+                )
+        if not isinstance(self.error_feedback, bool):
+            raise ConfigError(
+                f"error_feedback must be true or false, got {self.error_feedback!r} "
+                "(--error-feedback / --no-error-feedback)"
+            )
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether any direction compresses."""
+        return any(getattr(self, n) != "none" for n in ("activations", "gradients", "averaging"))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CompressionConfig:
+        return _from_dict(cls, data, "compression")
+
+
 def even_split(num_blocks: int, num_stages: int) -> tuple[int, ...]:
     """Stage boundaries for `num_stages` contiguous stages of (nearly) equal block counts.
 
@@ -160,6 +206,8 @@ class RunManifest:
     """'readiness': each peer runs whatever work is ready (backward first, then forward in 1F1B
     order) and each hop goes to the replica expected to finish soonest. 'static': round-robin
     replicas and a fixed 1F1B order, the baseline readiness is measured against."""
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    """Codecs of activations, gradients and replica averaging on the wire."""
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self):
@@ -183,6 +231,10 @@ class RunManifest:
             object.__setattr__(self, "optimizer", OptimizerConfig.from_dict(self.optimizer))
         if isinstance(self.batch, dict):
             object.__setattr__(self, "batch", BatchConfig.from_dict(self.batch))
+        if isinstance(self.compression, dict):
+            object.__setattr__(self, "compression", CompressionConfig.from_dict(self.compression))
+        if not isinstance(self.compression, CompressionConfig):
+            raise ConfigError("manifest: compression must be a mapping")
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"unknown schedule {self.schedule!r}: choose {' or '.join(map(repr, SCHEDULES))} (--schedule)"
@@ -219,6 +271,7 @@ class RunManifest:
             "seed": self.seed,
             "max_steps": self.max_steps,
             "schedule": self.schedule,
+            "compression": self.compression.to_dict(),
             "wire_version": self.wire_version,
         }
 
