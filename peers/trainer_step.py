@@ -28,7 +28,6 @@ import torch
 
 from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError, SwarmError
 from swarmtrain.schedule import ReplicaReport, StepLedger, plan_stage_commit
-from swarmtrain.transport import handler_name
 from swarmtrain.wire.frames import Frame
 
 if TYPE_CHECKING:
@@ -336,4 +335,4 @@ class Step:
         )
 
 
-__all__ = ["Step", "StepFailedError", "handler_name"]
+__all__ = ["Step", "StepFailedError"]

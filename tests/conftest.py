@@ -55,3 +55,21 @@ def holds_for(condition, *, duration_s: float, what: str) -> None:
     while time.monotonic() < until:
         assert condition(), f"{what} stopped holding"
         time.sleep(POLL_S)
+
+
+def reference_losses(
+    *, seed: int, optimizer, batches, steps: int, microbatches_per_step: int, model_config=None
+):
+    """Per-step losses (and final state) of single-process training of tiny-gpt on `batches`:
+    what a swarm's run must match. Returns train_reference's result."""
+    from swarmtrain.train.reference import train_reference
+
+    return train_reference(
+        model="tiny-gpt",
+        model_config=model_config or TINY_GPT,
+        seed=seed,
+        optimizer=optimizer,
+        batches=batches,
+        steps=steps,
+        microbatches_per_step=microbatches_per_step,
+    )

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from swarmtrain.train.data import TokenBatches, stdlib_text
-from swarmtrain.train.reference import train_reference
 from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
-from tests.conftest import TINY_GPT, wait_until
+from tests.conftest import TINY_GPT, reference_losses, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -49,9 +48,7 @@ def test_int8_frames_and_averaging_between_real_peers(local_swarm):
         after = stage_records(trainer, steps)
     assert all(r.replicas_equal for r in results)  # decoded sums are the same on every replica
     assert all(len(r.work[1]) == 2 for r in results[-2:])  # both replicas took work, so exchanged
-    reference = train_reference(
-        model="tiny-gpt",
-        model_config=TINY_GPT,
+    reference = reference_losses(
         seed=SEED,
         optimizer=OPTIMIZER,
         batches=batches(),

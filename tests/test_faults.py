@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from swarmtrain.train.data import TokenBatches, stdlib_text
-from swarmtrain.train.reference import train_reference
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
-from tests.conftest import TINY_GPT, wait_until
+from tests.conftest import TINY_GPT, reference_losses, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -37,9 +36,7 @@ def assert_every_microbatch_counted(results, per_step: int) -> None:
 
 
 def assert_parity(results, steps: int) -> None:
-    reference = train_reference(
-        model="tiny-gpt",
-        model_config=TINY_GPT,
+    reference = reference_losses(
         seed=SEED,
         optimizer=OPTIMIZER,
         batches=batches(),

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from swarmtrain.train.data import TokenBatches, stdlib_text
-from swarmtrain.train.reference import train_reference
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
-from tests.conftest import TINY_GPT
+from tests.conftest import TINY_GPT, reference_losses
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -40,9 +39,7 @@ def assert_replicas_equal(states: dict[str, dict[str, torch.Tensor]]) -> None:
 
 def assert_matches_reference(results, steps: int):
     """The swarm's step losses equal single-process training's; returns the reference run."""
-    reference = train_reference(
-        model="tiny-gpt",
-        model_config=TINY_GPT,
+    reference = reference_losses(
         seed=SEED,
         optimizer=OPTIMIZER,
         batches=batches(),

@@ -3,6 +3,7 @@ commit accounting, and the compute runtime that drives a queue."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 from hypothesis import given
@@ -249,6 +250,17 @@ def test_ledger_accounts_for_every_microbatch():
 # the runtime
 
 
+TICK_S = 0.001
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    """Poll `condition` on the event loop until it holds; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting on the scheduler"
+        await asyncio.sleep(TICK_S)
+
+
 def test_scheduler_runs_tasks_in_policy_order_and_reports_readiness():
     gate = threading.Event()
     order = []
@@ -256,14 +268,12 @@ def test_scheduler_runs_tasks_in_policy_order_and_reports_readiness():
     async def main():
         sched = ComputeScheduler(ReadinessQueue(budget=8), holding=lambda: 0, fused_last=False)
         blocker = asyncio.ensure_future(sched.run(task("forward", 0), gate.wait))
-        while sched.readiness()["queue_depth"] < 1:
-            await asyncio.sleep(0.001)
+        await until(lambda: sched.readiness()["queue_depth"] == 1)  # it runs, blocked on the gate
         jobs = [
             asyncio.ensure_future(sched.run(task(kind, n), order.append, (kind, n)))
             for kind, n in [("forward", 2), ("forward", 1), ("backward", 5)]
         ]
-        while sched.readiness()["queue_depth"] < 4:
-            await asyncio.sleep(0.001)
+        await until(lambda: sched.readiness()["queue_depth"] == 4)  # all three queued behind it
         gate.set()
         await asyncio.gather(blocker, *jobs)
         assert await sched.call(lambda: "admin") == "admin"

@@ -1,0 +1,148 @@
+"""What every `swarmtrain` command shares: its option types, flag parsers, and how errors end
+(one line on stderr, exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from swarmtrain.errors import ConfigError, SwarmError
+
+USAGE_EXIT_CODE = 2
+"""Exit code of every bad-input error, swarmtrain's own and typer's (as click uses for usage errors)."""
+
+
+def check_run_id_flag(run_id: str | None) -> str | None:
+    """Reject a malformed --run-id while the flags are parsed, before the network is touched."""
+    if run_id is None:
+        return None
+    from swarmtrain.wire.records import check_run_id
+
+    return check_run_id(run_id)
+
+
+def check_writable_flag(ctx: typer.Context, param: typer.CallbackParam, path: Path | None) -> Path | None:
+    """Reject a file flag whose folder is missing or read-only while the flags are parsed, not
+    after the peer has joined the swarm."""
+    if path is None:
+        return None
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{param.opts[0]} {path}: folder {folder} does not exist; create it or pick another path"
+        )
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{param.opts[0]} {path}: folder {folder} is not writable; pick another path")
+    return path
+
+
+InitialPeers = Annotated[
+    list[str],
+    typer.Option(
+        "--initial-peers",
+        help="Address of a peer already in the swarm, as printed by `swarmtrain coordinator` "
+        "(/ip4/HOST/tcp/PORT/p2p/PEER_ID). Repeat for several.",
+    ),
+]
+RunId = Annotated[
+    str | None,
+    typer.Option(
+        "--run-id",
+        help="Run to take part in.",
+        show_default="the only run the swarm announces",
+        callback=check_run_id_flag,
+    ),
+]
+Host = Annotated[
+    str, typer.Option(help="IPv4 address to listen on; 0.0.0.0 accepts peers from other machines.")
+]
+Port = Annotated[int, typer.Option(help="TCP port to listen on, 0..65535; 0 picks a free port.")]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        help="torch intra-op CPU threads.",
+        show_default="torch's choice, about one per core",
+        min=1,
+    ),
+]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log progress to stderr.")]
+
+
+def print_error(message: str) -> None:
+    """Print `message` as one red line on stderr, prefixed 'error: '."""
+    typer.secho(f"error: {' '.join(message.split())}", fg="red", err=True)
+
+
+def fail(message: str) -> None:
+    """Print one clear line to stderr and exit non-zero, without a traceback."""
+    print_error(message)
+    raise typer.Exit(USAGE_EXIT_CODE)
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def parse_model_config(text: str) -> dict:
+    """'{"n_layer": 4}' or 'n_layer=4,d_model=128' -> dict (numbers and booleans typed)."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"--model-config is not valid JSON ({e}): write an object like "
+                """'{"n_layer": 4}', or KEY=VALUE,KEY=VALUE"""
+            ) from None
+        if not isinstance(value, dict):
+            raise ConfigError(
+                """--model-config must be a JSON object like '{"n_layer": 4}', or KEY=VALUE,KEY=VALUE"""
+            )
+        return value
+    out = {}
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"--model-config item {item!r} is not KEY=VALUE: write KEY=VALUE,KEY=VALUE, e.g. n_layer=4,d_model=128"
+            )
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw.strip()
+    return out
+
+
+def parse_stage_bounds(text: str | None) -> tuple[int, ...] | None:
+    """'0,3,5,6' -> (0, 3, 5, 6); the manifest checks that they rise from 0 to the block count."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--stage-bounds {text!r} must be comma-separated block indices, e.g. 0,3,5,6"
+        ) from None
+
+
+def run_guarded(fn, *args, **kwargs):
+    """Call `fn`, turning swarmtrain's errors into one line and exit code 2."""
+    try:
+        return fn(*args, **kwargs)
+    except SwarmError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        typer.secho("interrupted", err=True)
+        raise typer.Exit(130) from None

@@ -1,0 +1,273 @@
+"""The DHT records: run manifest, optimizer, batch and compression settings, peer records."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmtrain.errors import ConfigError
+from swarmtrain.wire.records import (
+    CODEC_CHOICES,
+    WIRE_VERSION,
+    BatchConfig,
+    CompressionConfig,
+    OptimizerConfig,
+    PeerRecord,
+    RunManifest,
+    even_split,
+)
+
+
+def manifest(**overrides) -> RunManifest:
+    fields = dict(
+        run_id="demo-1",
+        model="tiny-gpt",
+        model_config={"n_layer": 4, "d_model": 32},
+        num_blocks=4,
+        stage_bounds=(0, 2, 3, 4),
+        optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9),
+        batch=BatchConfig(microbatch_size=2, microbatches_per_step=3, max_in_flight=2),
+        seed=7,
+        max_steps=10,
+    )
+    return RunManifest(**(fields | overrides))
+
+
+def test_manifest_round_trip_through_msgpack():
+    m = manifest()
+    data = msgpack.unpackb(msgpack.packb(m.to_dict(), use_bin_type=True), raw=False)
+    back = RunManifest.from_dict(data)
+    assert back == m
+    assert back.stage_bounds == (0, 2, 3, 4) and back.optimizer.betas == (0.9, 0.95)
+    assert isinstance(back.optimizer, OptimizerConfig) and isinstance(back.batch, BatchConfig)
+    assert back.num_stages == 3 and back.wire_version == WIRE_VERSION
+    assert [back.stage_span(k) for k in range(3)] == [(0, 2), (2, 3), (3, 4)]
+
+
+def test_manifest_from_dict_rejects_unknown_missing_and_malformed_fields():
+    data = manifest().to_dict()
+    with pytest.raises(ConfigError, match=r"manifest: unknown fields \['bogus'\]"):
+        RunManifest.from_dict(data | {"bogus": 1})
+    missing = dict(data)
+    del missing["num_blocks"]
+    with pytest.raises(ConfigError, match="manifest: .*num_blocks"):
+        RunManifest.from_dict(missing)
+    with pytest.raises(ConfigError, match="manifest: expected a mapping, got list"):
+        RunManifest.from_dict([data])
+    with pytest.raises(ConfigError, match=r"optimizer: unknown fields \['nesterov'\]"):
+        RunManifest.from_dict(data | {"optimizer": data["optimizer"] | {"nesterov": True}})
+    with pytest.raises(ConfigError, match="microbatch_size must be a positive integer, got 0"):
+        RunManifest.from_dict(data | {"batch": data["batch"] | {"microbatch_size": 0}})
+    # Values that fail while being normalised still come back as ConfigError.
+    with pytest.raises(ConfigError, match="manifest: invalid literal for int"):
+        RunManifest.from_dict(data | {"stage_bounds": [0, "a", 4]})
+    with pytest.raises(ConfigError, match="manifest: "):
+        RunManifest.from_dict(data | {"stage_bounds": 4})
+    with pytest.raises(ConfigError, match="optimizer: could not convert"):
+        OptimizerConfig.from_dict({"betas": ["a", 0.9]})
+
+
+@pytest.mark.parametrize("bounds", [(0, 2), (1, 2, 4), (0, 2, 2, 4), (0, 3, 2, 4), (0,), (0, 5)])
+def test_bad_stage_bounds(bounds):
+    with pytest.raises(ConfigError, match=r"stage_bounds \[.*\] must rise strictly from 0 to num_blocks=4"):
+        manifest(stage_bounds=bounds)
+
+
+@pytest.mark.parametrize("run_id", ["", "-demo", ".x", "a b", "run/1", "r" * 65, 5, None])
+def test_bad_run_id(run_id):
+    with pytest.raises(ConfigError, match="invalid run id .*1-64 letters, digits"):
+        manifest(run_id=run_id)
+
+
+def test_good_run_ids():
+    for run_id in ("a", "R2-d2_v1.0", "9" + "x" * 63):
+        assert manifest(run_id=run_id).run_id == run_id
+
+
+def test_wrong_wire_version_says_what_to_install():
+    data = manifest().to_dict() | {"wire_version": WIRE_VERSION + 1}
+    with pytest.raises(
+        ConfigError,
+        match=f"run 'demo-1' speaks wire version {WIRE_VERSION + 1}, this peer speaks {WIRE_VERSION}: install",
+    ):
+        RunManifest.from_dict(data)
+
+
+@pytest.mark.parametrize("stage", [-1, 3, 10, "1", 1.0])
+def test_stage_span_out_of_range(stage):
+    with pytest.raises(ConfigError, match=f"stage {stage} is out of range: run 'demo-1' has stages 0..2"):
+        manifest().stage_span(stage)
+
+
+def test_manifest_model_fields():
+    with pytest.raises(ConfigError, match="model must be a builder name"):
+        manifest(model="")
+    with pytest.raises(ConfigError, match="model_config must be a mapping"):
+        manifest(model_config=[("n_layer", 4)])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 64).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n))))
+def test_even_split_property(blocks_stages):
+    num_blocks, num_stages = blocks_stages
+    b = even_split(num_blocks, num_stages)
+    sizes = [y - x for x, y in zip(b, b[1:], strict=False)]
+    assert len(b) == num_stages + 1 and b[0] == 0 and b[-1] == num_blocks
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    manifest(num_blocks=num_blocks, stage_bounds=b)  # a valid manifest split
+
+
+def test_even_split_examples_and_errors():
+    assert even_split(4, 1) == (0, 4)
+    assert even_split(4, 4) == (0, 1, 2, 3, 4)
+    assert even_split(10, 3) == (0, 4, 7, 10)
+    with pytest.raises(ConfigError, match="cannot split 3 blocks into 4 stages: use at most 3 stages"):
+        even_split(3, 4)
+    with pytest.raises(ConfigError, match="number of stages must be >= 1, got 0"):
+        even_split(3, 0)
+
+
+def test_optimizer_config():
+    cfg = OptimizerConfig(betas=[0.8, 0.99])
+    assert cfg.betas == (0.8, 0.99) and cfg.to_dict()["betas"] == [0.8, 0.99]
+    assert OptimizerConfig.from_dict(cfg.to_dict()) == cfg
+    for kwargs, match in [
+        ({"name": "adam"}, "unknown optimizer 'adam': choose 'adamw' or 'sgd'"),
+        ({"lr": 0.0}, "learning rate must be > 0, got 0.0"),
+        ({"lr": -1e-3}, "learning rate must be > 0"),
+        ({"lr": math.nan}, "learning rate must be > 0, got nan"),
+        ({"betas": (0.9, 1.0)}, r"betas must be two numbers in \[0, 1\), got \(0.9, 1.0\)"),
+        ({"betas": (0.9,)}, "betas must be two numbers"),
+        ({"betas": (0.9, 0.95, 0.99)}, "betas must be two numbers"),
+        ({"betas": (-0.1, 0.9)}, "betas must be two numbers"),
+        ({"weight_decay": -0.1}, "weight_decay and momentum must be >= 0"),
+        ({"momentum": -0.5}, "weight_decay and momentum must be >= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            OptimizerConfig(**kwargs)
+    with pytest.raises(ConfigError, match=r"optimizer: unknown fields \['eps'\]"):
+        OptimizerConfig.from_dict({"eps": 1e-8})
+
+
+def test_batch_config():
+    cfg = BatchConfig(microbatch_size=3, microbatches_per_step=5, max_in_flight=2)
+    assert BatchConfig.from_dict(cfg.to_dict()) == cfg
+    for name in ("microbatch_size", "microbatches_per_step", "max_in_flight"):
+        for bad in (0, -2, 1.5, "4", None):
+            with pytest.raises(ConfigError, match=f"{name} must be a positive integer, got {bad!r}"):
+                BatchConfig(**{name: bad})
+    with pytest.raises(ConfigError, match=r"batch: unknown fields \['accum'\]"):
+        BatchConfig.from_dict({"accum": 2})
+    with pytest.raises(ConfigError, match="batch: expected a mapping, got NoneType"):
+        BatchConfig.from_dict(None)
+
+
+def test_peer_record():
+    rec = PeerRecord(
+        peer_id="QmPeer", role="stage", stage=2, state="joining", device="cpu", served=5, since=1.5
+    )
+    back = PeerRecord.from_dict(msgpack.unpackb(msgpack.packb(rec.to_dict()), raw=False))
+    assert back == rec
+    assert PeerRecord(peer_id="QmT", role="trainer").stage == -1
+    for kwargs, match in [
+        ({"role": "worker"}, "unknown role 'worker'"),
+        ({"role": "stage", "state": "dead"}, "unknown state 'dead'"),
+        ({"role": "stage"}, "bad stage -1"),  # a stage peer must name its stage
+        ({"role": "stage", "stage": "1"}, "bad stage '1'"),
+        ({"role": "trainer", "stage": None}, "bad stage None"),
+    ]:
+        with pytest.raises(ConfigError, match=f"peer record: {match}"):
+            PeerRecord(peer_id="QmPeer", **kwargs)
+    with pytest.raises(ConfigError, match=r"peer record: unknown fields \['addr'\]"):
+        PeerRecord.from_dict(rec.to_dict() | {"addr": "x"})
+    with pytest.raises(ConfigError, match="peer record: .*role"):
+        PeerRecord.from_dict({"peer_id": "QmPeer"})
+
+
+def test_peer_record_readiness_and_counters():
+    rec = PeerRecord(
+        peer_id="QmPeer", role="stage", stage=0, queue_depth=3, backlog_s=0.25, service_s=0.05,
+        in_flight_budget=8, holding=2, busy_s=12, replayed=1, failed=2, banned=["QmA", "QmB"],
+        bytes_sent=10, bytes_received=20, raw_bytes_sent=40, memory_used_bytes=2**20,
+    )  # fmt: skip
+    back = PeerRecord.from_dict(msgpack.unpackb(msgpack.packb(rec.to_dict()), raw=False))
+    assert back == rec and back.banned == ("QmA", "QmB") and back.busy_s == 12.0
+    for kwargs, match in [
+        ({"queue_depth": -1}, "queue_depth must be an integer >= 0"),
+        ({"replayed": 1.5}, "replayed must be an integer >= 0"),
+        ({"bytes_sent": True}, "bytes_sent must be an integer >= 0"),
+        ({"service_s": -0.1}, "service_s must be a number >= 0"),
+        ({"backlog_s": "1"}, "backlog_s must be a number >= 0"),
+        ({"busy_s": math.inf}, "busy_s must be a number >= 0"),
+        ({"banned": ["Qm"] * 17}, "banned must list at most 16 peer ids"),
+        ({"banned": [5]}, "banned must hold peer ids"),
+    ]:
+        with pytest.raises(ConfigError, match=f"peer record: {match}"):
+            PeerRecord(peer_id="QmPeer", role="stage", stage=0, **kwargs)
+
+
+def test_manifest_schedule():
+    assert manifest().schedule == "readiness"
+    assert RunManifest.from_dict(manifest(schedule="static").to_dict()).schedule == "static"
+    with pytest.raises(
+        ConfigError, match=r"unknown schedule 'fifo': choose 'readiness' or 'static' \(--schedule\)"
+    ):
+        manifest(schedule="fifo")
+
+
+def test_compression_config_in_the_manifest():
+    assert manifest().compression == CompressionConfig()  # none everywhere by default
+    assert not CompressionConfig().is_enabled
+    cfg = CompressionConfig(activations="int8", gradients="nf4", averaging="auto", error_feedback=False)
+    assert cfg.is_enabled
+    m = manifest(compression=cfg)
+    data = msgpack.unpackb(msgpack.packb(m.to_dict(), use_bin_type=True), raw=False)
+    assert data["compression"] == {
+        "activations": "int8",
+        "gradients": "nf4",
+        "averaging": "auto",
+        "error_feedback": False,
+    }
+    assert RunManifest.from_dict(data) == m and RunManifest.from_dict(data).compression == cfg
+    older = dict(data)
+    del older["compression"]
+    assert RunManifest.from_dict(older).compression == CompressionConfig()
+    for choice in CODEC_CHOICES:
+        assert CompressionConfig(activations=choice, gradients=choice, averaging=choice).activations == choice
+
+
+@pytest.mark.parametrize("direction", ["activations", "gradients", "averaging"])
+@pytest.mark.parametrize("bad", ["zstd", "INT8", "", None, 8])
+def test_bad_compression_settings_name_the_flag(direction, bad):
+    with pytest.raises(ConfigError, match=f"unknown codec {bad!r} for {direction}: choose one of none, fp16.*auto "
+                       rf"\(--compress-{direction}\)"):  # fmt: skip
+        CompressionConfig(**{direction: bad})
+    data = manifest().to_dict()
+    with pytest.raises(ConfigError, match=f"unknown codec {bad!r} for {direction}"):
+        RunManifest.from_dict(data | {"compression": {direction: bad}})
+
+
+def test_the_coordinator_publishes_the_compression_config():
+    from swarmtrain.peers.coordinator import CoordinatorConfig, make_manifest
+
+    cfg = CompressionConfig(activations="int8", gradients="int8", averaging="nf4")
+    m = make_manifest(
+        CoordinatorConfig(model_config={"n_layer": 2, "d_model": 32}, num_stages=2, compression=cfg)
+    )
+    assert m.compression == cfg
+    assert make_manifest(CoordinatorConfig(num_stages=2)).compression == CompressionConfig()
+
+
+def test_bad_compression_fields():
+    with pytest.raises(ConfigError, match=r"error_feedback must be true or false, got 1 \(--error-feedback"):
+        CompressionConfig(error_feedback=1)
+    with pytest.raises(ConfigError, match=r"compression: unknown fields \['per_boundary'\]"):
+        CompressionConfig.from_dict({"per_boundary": ["int8"]})
+    with pytest.raises(ConfigError, match="manifest: compression must be a mapping"):
+        RunManifest.from_dict(manifest().to_dict() | {"compression": "int8"})
+    with pytest.raises(ConfigError, match="manifest: compression must be a mapping"):
+        manifest(compression="int8")
