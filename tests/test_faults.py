@@ -7,6 +7,7 @@ replicas hold identical parameters after every step."""
 import random
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -20,7 +21,11 @@ pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 SEED = 3
 OPTIMIZER = OptimizerConfig(name="adamw", lr=1e-2)
 BATCH = BatchConfig(microbatch_size=4, microbatches_per_step=6, max_in_flight=6)
-STILL = ("--rebalance-every", "0")  # peers stay on their stage: the layout is the test's
+STILL = ("--rebalance-every", "0")
+RECOVERY_S = 10.0
+"""How long a recovered replica may take to get its share back: routers probe a replica they
+have sent nothing for 3 s, an idle peer announces its best service time after 2 s, and the
+DHT records it every 2 s."""  # peers stay on their stage: the layout is the test's
 
 
 def batches(microbatch_size: int = 4):
@@ -89,23 +94,31 @@ def test_a_stalled_replica_gets_less_work_and_gets_it_back(local_swarm, tmp_path
     slow = swarm.spawn_stage(1, extra_args=(*STILL, "--slowdown-file", str(stall)))
     slow_id = swarm.wait_ready(slow)
     shares: list[tuple[str, float]] = []
-    phase = "normal"
+    phase, since, recovered_at = "warm-up", 0, 0.0
     with swarm.trainer() as trainer:
-        for result in trainer.train(batches(), steps=30):
+        for result in trainer.train(batches(), steps=200):
             work = result.work[1]
-            shares.append((phase, work.get(slow_id, 0) / sum(work.values())))
-            if len(shares) == 8:
+            share = work.get(slow_id, 0) / sum(work.values())
+            shares.append((phase, share))
+            since += 1
+            if phase == "warm-up" and share > 0:  # stage 0 has seen the new replica: measure from here
+                phase, since = "normal", 0
+            elif phase == "normal" and since == 8:
                 stall.write_text("4")  # the replica now computes 4x slower
-                phase = "stalled"
-            elif len(shares) == 18:
+                phase, since = "stalled", 0
+            elif phase == "stalled" and since == 10:
                 stall.unlink()
-                phase = "recovered"
+                phase, since, recovered_at = "recovered", 0, time.monotonic()
+            elif phase == "recovered" and since >= 8 and time.monotonic() - recovered_at > RECOVERY_S:
+                break
+    assert phase == "recovered", f"the run ended in phase {phase}: {shares}"
 
     def mean(name: str, skip: int) -> float:
         values = [s for p, s in shares if p == name][skip:]
         return sum(values) / len(values)
 
-    normal, stalled, recovered = mean("normal", 2), mean("stalled", 3), mean("recovered", 5)
+    recent = [s for p, s in shares if p == "recovered"][-5:]
+    normal, stalled, recovered = mean("normal", 2), mean("stalled", 3), sum(recent) / len(recent)
     assert normal > 0.3, shares  # equal replicas share the work
     assert stalled < 0.6 * normal, shares  # within a few steps the slow one gets less
     assert recovered > 1.5 * stalled and recovered > 0.25, shares  # and it gets it back

@@ -286,3 +286,28 @@ def test_scheduler_runs_tasks_in_policy_order_and_reports_readiness():
     ready, busy = asyncio.run(main())
     assert order == [("backward", 5), ("forward", 1), ("forward", 2)]
     assert ready["queue_depth"] == 0 and ready["service_s"] > 0 and busy > 0
+
+
+def test_an_idle_scheduler_reports_the_best_service_time_it_has_shown(monkeypatch):
+    import swarmtrain.schedule.runtime as runtime
+
+    factor = {"now": 1.0}
+
+    async def main():
+        sched = ComputeScheduler(
+            ReadinessQueue(budget=8), holding=lambda: 0, fused_last=True, slowdown=lambda: factor["now"]
+        )
+        await sched.run(task("loss", 0), time.sleep, 0.01)
+        best = sched.service_s
+        factor["now"] = 4.0  # the device throttles: its average rises
+        await sched.run(task("loss", 1), time.sleep, 0.01)
+        monkeypatch.setattr(runtime, "IDLE_OPTIMISM_S", 3600.0)
+        busy_report = sched.readiness()["service_s"]
+        monkeypatch.setattr(runtime, "IDLE_OPTIMISM_S", 0.0)
+        idle_report = sched.readiness()["service_s"]
+        sched.close()
+        return best, busy_report, idle_report
+
+    best, busy_report, idle_report = asyncio.run(main())
+    assert busy_report > 1.5 * best  # recently active: its real, slower average
+    assert idle_report == pytest.approx(best, abs=1e-6)  # idle for a while: its best, inviting work

@@ -106,5 +106,5 @@ def test_static_schedule_with_a_replicated_stage_matches_single_process(local_sw
         torch.tensor([r.loss for r in results]), torch.tensor(reference.losses), rtol=LOSS_RTOL, atol=0
     )
     assert all(r.replicas_equal for r in results)
-    assert all(len(r.work[1]) == 2 for r in results)  # round-robin: both replicas of stage 1 work
-    assert swarm.wait_ready(second) in results[-1].work[1]
+    # round-robin: both replicas of stage 1 work (once every peer's view of the DHT has both)
+    assert len(results[-1].work[1]) == 2 and swarm.wait_ready(second) in results[-1].work[1]

@@ -23,6 +23,10 @@ from swarmtrain.schedule.queue import ReadinessQueue, StaticQueue, Task
 SERVICE_ALPHA = 0.5
 """Weight of the newest task in the service-time averages: a peer that slows down or recovers
 shows it within a few microbatches."""
+IDLE_OPTIMISM_S = 2.0
+"""A peer idle this long reports the best service time it has shown, not its last average:
+routers then send it work again, and a peer that was slow and recovered gets its share back
+(if it is still slow, the replies to that work say so)."""
 IDLE_POLL_S = 0.05
 """How often a waiting policy is asked again (a budget freed by a drop, a static grace ending)."""
 
@@ -64,6 +68,8 @@ class ComputeScheduler:
         self._closed = False
         self._running: tuple[str, float] | None = None
         self._ewma: dict[str, float] = {}
+        self._best_service_s = 0.0
+        self._last_done = time.monotonic()
         self.busy_s = 0.0
         self.tasks_run = 0
         self._thread = threading.Thread(target=self._work, name="stage-compute", daemon=True)
@@ -131,10 +137,12 @@ class ComputeScheduler:
                 kind, since = self._running
                 backlog += max(0.0, self._ewma.get(kind, 0.0) - (time.monotonic() - since))
                 depth += 1
+            idle = depth == 0 and time.monotonic() - self._last_done > IDLE_OPTIMISM_S
+        service = self._best_service_s if idle and self._best_service_s > 0 else self.service_s
         return {
             "queue_depth": depth,
             "backlog_s": round(backlog, 6),
-            "service_s": round(self.service_s, 6),
+            "service_s": round(service, 6),
             "holding": self._holding(),
         }
 
@@ -176,6 +184,11 @@ class ComputeScheduler:
                     self.busy_s += elapsed
                     self.tasks_run += 1
                     self._running = None
+                    self._last_done = time.monotonic()
+                    known = self._fused_last or {"forward", "backward"} <= self._ewma.keys()
+                    service = self.service_s
+                    if known and (self._best_service_s == 0 or service < self._best_service_s):
+                        self._best_service_s = service
             try:
                 loop.call_soon_threadsafe(_resolve, future, result, error)
             except RuntimeError:  # the loop closed while we computed
