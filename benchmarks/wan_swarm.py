@@ -10,7 +10,8 @@ compression (raw_bytes_sent). Every process and namespace is removed after each 
 Bottleneck: a stage peer's uplink carries what it sends, so the link allows at most
 rate / (the busiest peer's bytes_sent per token) tokens/s. A run reaching LINK_BOUND_FRACTION
 of that is called link-bound; otherwise the CPU is (the stages' compute shares the host's
-cores), reported with the stages' busy time as a fraction of the training time.
+cores), reported with each stage's busy time as a fraction of the training time and their sum
+per host CPU (near 1: the cores are saturated).
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ def summarize(run: SwarmRun, rate_mbit: float, codec: str, measured: dict) -> di
         "link_bound_tokens_per_s": round(link_bound),
         "of_link_bound": round(of_link, 2),
         "stage_busy_fraction": busy,
+        "stage_busy_per_cpu": round(sum(p["busy_s"] for p in peers) / train_s / (os.cpu_count() or 1), 2),
         "bottleneck": "link" if of_link >= LINK_BOUND_FRACTION else "cpu",
     }
 
