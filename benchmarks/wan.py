@@ -1,6 +1,6 @@
 """Pipeline traffic over an emulated WAN, per codec: tokens/s and bytes per token at 50 and 100 Mbit/s.
 
-    sudo .venv/bin/python benchmarks/wan.py [--stages 4] [--rates 50,100] [--codecs none,fp16,int8,nf4]
+    sudo .venv/bin/python benchmarks/wan.py [--peers relay|swarm] [--steps 8] [--stages 4] [--rates 50,100] [--codecs none,fp16,int8,nf4]
                                             [--shape 8,128,256] [--window 16] [--duration-s 8]
                                             [--min-microbatches 30] [--queue-ms 400] [--json-out PATH]
 
@@ -22,7 +22,10 @@ encode and decode time for one frame. One JSON document goes to stdout.
 
 Needs root and `ip`/`tc`: otherwise it says so and exits with code 2, never falling back to
 loopback. Namespaces, links, qdiscs and peer processes are removed on exit, error or Ctrl+C.
-Later the same harness can start real `swarmtrain join` peers per namespace (WanNet.spawn).
+
+`--peers swarm [--steps 8]` runs real swarmtrain peers instead (a coordinator, one `join` per
+stage, `train`; benchmarks/wan_swarm.py): tokens/s with model compute, bytes per token from
+the peers' counters, and whether the link or the CPU limits each run.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import torch  # noqa: E402
 
 from benchmarks.netns import NetnsError, WanConfig, WanNet, check_prerequisites, remove_stale  # noqa: E402
+from benchmarks.wan_swarm import run_all as run_swarm  # noqa: E402
 from swarmtrain.compress import get_codec  # noqa: E402  (also registers the codecs with frames)
 from swarmtrain.wire.frames import Frame, read_frame, write_frame  # noqa: E402
 
@@ -290,6 +294,15 @@ def main() -> None:
     )
     parser.add_argument("--queue-ms", type=float, default=400.0, help="tbf queue depth of each link, in ms")
     parser.add_argument("--json-out", help="also write the JSON document to this file")
+    parser.add_argument(
+        "--peers",
+        choices=["relay", "swarm"],
+        default="relay",
+        help="relay: transport-only stages; swarm: real swarmtrain peers (benchmarks/wan_swarm.py)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=8, help="--peers swarm: optimizer steps per codec and rate"
+    )
     args = parser.parse_args()
     if args.role:
         return peer_main(args)
@@ -314,6 +327,8 @@ def main() -> None:
     try:
         check_prerequisites()
         stale = remove_stale()
+        if args.peers == "swarm":
+            return _print_report(run_swarm(args, rates) | {"removed_stale_namespaces": stale}, args.json_out)
         with WanNet(WanConfig(num_peers=args.stages, rate_mbit=rates[0], queue_ms=args.queue_ms)) as net:
             measured = []
             for rate in rates:
@@ -343,10 +358,14 @@ def main() -> None:
         "rates": measured,
         "host": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
     }
+    _print_report(report, args.json_out)
+
+
+def _print_report(report: dict, json_out: str | None) -> None:
     text = json.dumps(report, indent=2)
     print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    if json_out:
+        Path(json_out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
