@@ -367,9 +367,12 @@ class StagePeer:
         return resolve_codec(getattr(self.manifest.compression, direction), bandwidth, nbytes)
 
     def choose_replica(self, stage: int, *, order: int, nbytes: int, prefer: str | None) -> str | None:
-        return self.router.choose(
-            self._replicas.get(stage, []), time.monotonic(), nbytes=nbytes, order=order, prefer=prefer
-        )
+        """A replica of `stage` for the next hop; a `prefer`red peer (named by the route the
+        frame carries) counts as a candidate even before this peer's DHT view has it."""
+        candidates = self._replicas.get(stage, [])
+        if prefer is not None and prefer not in candidates:
+            candidates = [*candidates, prefer]
+        return self.router.choose(candidates, time.monotonic(), nbytes=nbytes, order=order, prefer=prefer)
 
     def expect_static(self, frame: Frame) -> None:
         """Static schedule: tell the queue which microbatches of the step come here (meta 'slots':

@@ -34,6 +34,16 @@ def batches(microbatch_size: int = 4):
     )
 
 
+def wait_for_serving(trainer, replicas: dict[int, int]) -> None:
+    """Wait until the trainer's view of the DHT shows `replicas[k]` serving peers of each stage k."""
+
+    def counts() -> dict[int, int]:
+        records = trainer.node.peers(trainer.manifest.run_id)
+        return {k: sum(r.stage == k and r.state == "serving" for r in records) for k in replicas}
+
+    wait_until(lambda: counts() == replicas, timeout_s=60, what=f"{replicas} serving replicas per stage")
+
+
 def assert_every_microbatch_counted(results, per_step: int) -> None:
     for r in results:
         assert r.completed == per_step and r.dropped == 0, r
@@ -67,12 +77,20 @@ def test_peers_lost_mid_forward_and_mid_backward_lose_nothing(local_swarm, actio
     )
     fwd = swarm.spawn_stage(0, extra_args=(*STILL, "--inject-fault", f"{action}:forward:4"))
     bwd = swarm.spawn_stage(1, extra_args=(*STILL, "--inject-fault", f"{action}:backward:3"))
-    steps = 5
+    gone = lambda: all(swarm.procs[name].poll() is not None for name in (fwd, bwd))  # noqa: E731
+    results, after = [], 0
     with swarm.trainer(verify_replicas=True) as trainer:
-        results = list(trainer.train(batches(), steps=steps))
+        wait_for_serving(trainer, {0: 2, 1: 2, 2: 1})
+        for result in trainer.train(batches(), steps=40):  # until both faults hit, and 2 steps more
+            results.append(result)
+            after += gone()
+            if after == 3:
+                break
+    assert after == 3, f"the faulty peers were still up after {len(results)} steps"
     for name in (fwd, bwd):
         code = swarm.procs[name].wait(timeout=30)
         assert code == (0 if action == "term" else -signal.SIGKILL), f"{name} exited with {code}"
+    steps = len(results)
     assert [r.step for r in results] == list(range(steps))
     assert_every_microbatch_counted(results, BATCH.microbatches_per_step)
     assert_parity(results, steps)
