@@ -26,7 +26,7 @@ def test_int8_frames_and_averaging_between_real_peers(local_swarm):
         model_config=TINY_GPT, num_stages=2, seed=SEED, optimizer=OPTIMIZER, batch=BATCH, compression=INT8
     )
     swarm.spawn_stage(1, extra_args=("--rebalance-every", "0"))  # two replicas: a compressed exchange
-    steps, data = 6, batches()
+    steps, data = 12, batches()  # long enough for stage 0's view (refreshed every 2 s) to hold both
 
     def stage_records(trainer, step: int) -> dict:
         """Stage peers' records once each announces `step` (it does so as it applies it)."""
