@@ -386,9 +386,11 @@ class StagePeer:
         orders = [n for n in range(count) if n % int(r) == int(j)]
         self.scheduler.expect(frame.step, orders, self.manifest.num_stages - self.stage)
 
-    async def _live_replicas(self) -> list[PeerRecord]:
-        """Other serving replicas of this stage, furthest step first."""
-        replicas = stage_replicas(await self.node.peers_async(self.manifest.run_id)).get(self.stage, [])
+    async def _live_replicas(self, records: list[PeerRecord] | None = None) -> list[PeerRecord]:
+        """Other serving replicas of this stage, furthest step first (from `records`, or a fresh read)."""
+        if records is None:
+            records = await self.node.peers_async(self.manifest.run_id)
+        replicas = stage_replicas(records).get(self.stage, [])
         others = [r for r in replicas if r.peer_id != self.peer_id]
         return sorted(others, key=lambda r: -r.step)
 
@@ -417,7 +419,7 @@ class StagePeer:
         runner = self.runner
         if self._in_flight or runner.num_pending or runner.has_gradients:
             return False
-        replicas = await self._live_replicas()
+        replicas = await self._live_replicas(self._records)  # refreshed with every heartbeat
         if replicas and replicas[0].step > runner.step:
             logger.info(
                 "stage %d is at step %d, a replica at %d: resyncing",

@@ -112,8 +112,6 @@ class StageWork:
         else:
             try:
                 loss, grad_x, route, replays = await self._compute(frame, x, targets, deadline)
-            except (BadFrameError, RemoteError, PeerUnreachableError):
-                raise
             except (RuntimeError, IndexError, ValueError) as e:  # the model refused this input
                 raise BadFrameError(f"forward/backward failed on this input: {e}") from None
             self._cache[mb] = _Cached(x=x, loss=loss, grad=grad_x, route=route)

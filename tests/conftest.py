@@ -73,3 +73,11 @@ def reference_losses(
         steps=steps,
         microbatches_per_step=microbatches_per_step,
     )
+
+
+def assert_losses_match_reference(results, reference, *, rtol: float = 1e-4) -> None:
+    """A swarm's per-step losses equal single-process training's (`reference_losses`)."""
+    import torch
+
+    losses = torch.tensor([r.loss for r in results])
+    torch.testing.assert_close(losses, torch.tensor(reference.losses), rtol=rtol, atol=0)

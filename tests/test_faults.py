@@ -10,11 +10,10 @@ import threading
 import time
 
 import pytest
-import torch
 
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
-from tests.conftest import TINY_GPT, reference_losses, wait_until
+from tests.conftest import TINY_GPT, assert_losses_match_reference, reference_losses, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -58,8 +57,7 @@ def assert_parity(results, steps: int) -> None:
         steps=steps,
         microbatches_per_step=BATCH.microbatches_per_step,
     )
-    losses = torch.tensor([r.loss for r in results])
-    torch.testing.assert_close(losses, torch.tensor(reference.losses), rtol=1e-4, atol=0)
+    assert_losses_match_reference(results, reference)
 
 
 @pytest.mark.parametrize("action", ["kill", "term"])

@@ -8,7 +8,7 @@ import torch
 
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
-from tests.conftest import TINY_GPT, reference_losses
+from tests.conftest import TINY_GPT, assert_losses_match_reference, reference_losses
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -46,8 +46,7 @@ def assert_matches_reference(results, steps: int):
         steps=steps,
         microbatches_per_step=BATCH.microbatches_per_step,
     )
-    losses = torch.tensor([r.loss for r in results])
-    torch.testing.assert_close(losses, torch.tensor(reference.losses), rtol=1e-4, atol=0)
+    assert_losses_match_reference(results, reference)
     return reference
 
 
