@@ -106,14 +106,23 @@ def coordinator(
         str,
         typer.Option(
             help="Codec of the activations stages send forward: none, fp16, bf16, int8, nf4, uint4, "
-            "or auto (chosen per link from its measured bandwidth)."
+            "or auto (chosen per link from its measured bandwidth); or one per boundary, comma-separated "
+            "(none,int8,nf4: stage 0 to 1 raw, 1 to 2 int8, 2 to 3 nf4)."
         ),
     ] = "none",
     compress_gradients: Annotated[
-        str, typer.Option(help="Codec of the activation gradients stages send backward (same choices).")
+        str,
+        typer.Option(
+            help="Codec of the activation gradients stages send backward (same choices; "
+            "one for all boundaries or one per boundary)."
+        ),
     ] = "none",
     compress_averaging: Annotated[
-        str, typer.Option(help="Codec of the gradient sums replicas of a stage exchange (same choices).")
+        str,
+        typer.Option(
+            help="Codec of the gradient sums replicas of a stage exchange (same choices; "
+            "one for all stages or one per stage)."
+        ),
     ] = "none",
     error_feedback: Annotated[
         bool,
@@ -182,11 +191,7 @@ def coordinator(
                 f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages {list(m.stage_bounds)}"
             )
             if m.compression.is_enabled:
-                c = m.compression
-                typer.echo(
-                    f"compression: activations {c.activations}, gradients {c.gradients}, "
-                    f"averaging {c.averaging}, error feedback {'on' if c.error_feedback else 'off'}"
-                )
+                typer.echo(f"compression: {m.compression.describe()}")
             typer.echo(f"peer address: {coord.address}")
             typer.echo(f"join with:    swarmtrain join --initial-peers {coord.address}")
             if coord.dashboard is not None:

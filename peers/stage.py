@@ -359,12 +359,16 @@ class StagePeer:
 
     def codec_for(self, direction: str, peer: str, nbytes: int) -> str:
         """The codec to send `nbytes` of `direction` ('activations', 'gradients', 'averaging')
-        to `peer` with: the run's setting, or for 'auto' the one the link's bandwidth calls for."""
+        to `peer` with: the run's setting for the boundary it crosses (activations go over this
+        stage's downstream boundary, gradients over its upstream one, averaging stays within the
+        stage), or for 'auto' the one the link's bandwidth calls for."""
+        index = max(self.stage - 1, 0) if direction == "gradients" else self.stage
+        setting = self.manifest.compression.codec(direction, index)
         view = self.router.views.get(peer)
         bandwidth = (view.bandwidth_bytes_per_s if view else None) or self.capacity.get(
             "bandwidth_bytes_per_s"
         )
-        return resolve_codec(getattr(self.manifest.compression, direction), bandwidth, nbytes)
+        return resolve_codec(setting, bandwidth, nbytes)
 
     def choose_replica(self, stage: int, *, order: int, nbytes: int, prefer: str | None) -> str | None:
         """A replica of `stage` for the next hop; a `prefer`red peer (named by the route the

@@ -147,6 +147,13 @@ CASES = {
             "--compress-gradients",
         ),
     ),
+    "compress-per-boundary-count": Case(
+        ("coordinator", "--stages", "2", "--compress-activations", "int8,nf4"),
+        (
+            "--compress-activations names 2 codecs ('int8,nf4'), but the run has 1 boundary between its 2 stages",
+            "give one codec",
+        ),
+    ),
     "ready-file-folder-missing": Case(
         ("join", "--initial-peers", "{nobody}", "--ready-file", "/nonexistent-folder/ready"),
         ("--ready-file", "/nonexistent-folder does not exist"),

@@ -267,7 +267,56 @@ def test_bad_compression_fields():
         CompressionConfig(error_feedback=1)
     with pytest.raises(ConfigError, match=r"compression: unknown fields \['per_boundary'\]"):
         CompressionConfig.from_dict({"per_boundary": ["int8"]})
+    with pytest.raises(ConfigError, match=r"unknown codec \[\] for averaging: choose one of"):
+        CompressionConfig(averaging=[])
     with pytest.raises(ConfigError, match="manifest: compression must be a mapping"):
         RunManifest.from_dict(manifest().to_dict() | {"compression": "int8"})
     with pytest.raises(ConfigError, match="manifest: compression must be a mapping"):
         manifest(compression="int8")
+
+
+def test_codecs_per_boundary_and_per_stage():
+    # manifest(): 3 stages, so 2 boundaries (0 -> 1, 1 -> 2) and 3 stages to average in
+    cfg = CompressionConfig(activations=" none , int8", gradients=("int8", "nf4"), averaging="int8,none,auto")
+    assert (cfg.activations, cfg.gradients, cfg.averaging) == ("none,int8", "int8,nf4", "int8,none,auto")
+    assert [cfg.codec("activations", k) for k in (0, 1)] == ["none", "int8"]
+    assert [cfg.codec("gradients", k) for k in (0, 1)] == ["int8", "nf4"]
+    assert [cfg.codec("averaging", k) for k in (0, 1, 2)] == ["int8", "none", "auto"]
+    assert cfg.is_enabled and not CompressionConfig(activations="none,none").is_enabled
+    uniform = CompressionConfig(activations="int8")
+    assert [uniform.codec("activations", k) for k in (0, 1, 5)] == ["int8"] * 3  # one for every boundary
+    m = manifest(compression=cfg)
+    data = msgpack.unpackb(msgpack.packb(m.to_dict(), use_bin_type=True), raw=False)
+    assert data["compression"]["gradients"] == "int8,nf4"
+    assert RunManifest.from_dict(data).compression == cfg
+    assert cfg.describe() == (
+        "activations none,int8, gradients int8,nf4, averaging int8,none,auto, error feedback on"
+    )
+
+
+def test_per_boundary_lists_must_fit_the_stages():
+    with pytest.raises(
+        ConfigError,
+        match=r"--compress-activations names 3 codecs \('int8,int8,nf4'\), but the run has 2 boundaries "
+        r"between its 3 stages: give one codec for all of them, or 2 separated by commas",
+    ):
+        manifest(compression=CompressionConfig(activations="int8,int8,nf4"))
+    with pytest.raises(
+        ConfigError,
+        match=r"--compress-averaging names 2 codecs \('int8,nf4'\), but the run has 3 stages: give one",
+    ):
+        manifest(compression=CompressionConfig(averaging="int8,nf4"))
+    with pytest.raises(
+        ConfigError,
+        match=r"--compress-gradients names 2 codecs \('int8,nf4'\), but the run has 1 boundary between its "
+        r"2 stages: give one codec$",
+    ):
+        manifest(stage_bounds=(0, 2, 4), compression=CompressionConfig(gradients="int8,nf4"))
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown codec 'zstd' for gradients at boundary 1 of 'int8,zstd': choose one of none, .*auto "
+        r"\(--compress-gradients\)",
+    ):
+        CompressionConfig(gradients="int8,zstd")
+    with pytest.raises(ConfigError, match=r"unknown codec '' for averaging at stage 1 of 'int8,'"):
+        CompressionConfig(averaging="int8,")

@@ -7,7 +7,7 @@ replica must not add its exact local gradients while the others add a decoded co
 replica adds decode(encode(local + residual)), decoded on the CPU by the same function that
 decodes a received frame, and keeps what the codec dropped as its error-feedback residual.
 
-    sent, mine = compress_for_exchange(runner.grads(), manifest.compression.averaging, feedback)
+    sent, mine = compress_for_exchange(runner.grads(), manifest.compression.codec("averaging", stage), feedback)
     frame = Frame(kind="grads", ..., tensors=sent)          # to every other replica
     total = group_sum(my_id, mine, received)                # received: decoded frame tensors
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from swarmtrain.errors import ConfigError
 
@@ -122,38 +122,75 @@ class BatchConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CompressionConfig:
-    """How tensors are compressed on the wire, per direction (DESIGN.md section 7).
+    """How tensors are compressed on the wire, per direction and per boundary (DESIGN.md section 7).
 
-    Each is one of CODEC_CHOICES; the default, 'none' everywhere, sends raw values.
+    Each direction is one codec of CODEC_CHOICES for the whole pipeline, or a comma-separated
+    list of them, one per place it applies: activations and gradients one per boundary
+    (boundary k joins stage k to stage k+1, so a run of S stages has S-1), averaging one per
+    stage. So `activations="none,int8,nf4"` sends stage 0's output raw (say the first two stages
+    share a LAN), stage 1's as int8 and stage 2's as nf4. The default, 'none' everywhere, sends
+    raw values.
     """
 
     activations: str = "none"
-    """Codec of the activations a stage sends forward to the next (--compress-activations)."""
+    """Codec(s) of the activations a stage sends forward to the next (--compress-activations)."""
     gradients: str = "none"
-    """Codec of the activation gradients a stage sends backward (--compress-gradients)."""
+    """Codec(s) of the activation gradients a stage sends backward (--compress-gradients)."""
     averaging: str = "none"
-    """Codec of the gradient sums the replicas of a stage exchange (--compress-averaging)."""
+    """Codec(s) of the gradient sums the replicas of a stage exchange (--compress-averaging)."""
     error_feedback: bool = True
     """Gradient and averaging codecs carry what they dropped into the next send (--error-feedback)."""
 
+    DIRECTIONS: ClassVar[tuple[str, ...]] = ("activations", "gradients", "averaging")
+
     def __post_init__(self):
-        for name in ("activations", "gradients", "averaging"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or value not in CODEC_CHOICES:
-                raise ConfigError(
-                    f"unknown codec {value!r} for {name}: choose one of {', '.join(CODEC_CHOICES)} "
-                    f"(--compress-{name})"
-                )
+        for name in self.DIRECTIONS:
+            object.__setattr__(self, name, _parse_codecs(name, getattr(self, name)))
         if not isinstance(self.error_feedback, bool):
             raise ConfigError(
                 f"error_feedback must be true or false, got {self.error_feedback!r} "
                 "(--error-feedback / --no-error-feedback)"
             )
 
+    def codecs(self, direction: str) -> tuple[str, ...]:
+        """The codecs `direction` names: one (for every boundary or stage), or one per each."""
+        return tuple(getattr(self, direction).split(","))
+
+    def codec(self, direction: str, index: int) -> str:
+        """The setting of `direction` at boundary `index` (activations, gradients: the boundary
+        between stage index and index+1) or at stage `index` (averaging)."""
+        choices = self.codecs(direction)
+        return choices[0] if len(choices) == 1 else choices[index]
+
+    def check_stages(self, num_stages: int) -> None:
+        """Raise ConfigError unless every per-boundary list fits a run of `num_stages` stages."""
+        for name in self.DIRECTIONS:
+            given = len(self.codecs(name))
+            wanted = num_stages if name == "averaging" else num_stages - 1
+            if given == 1 or given == wanted:
+                continue
+            where = (
+                f"{num_stages} stages"
+                if name == "averaging"
+                else f"{wanted} boundar{'y' if wanted == 1 else 'ies'} between its {num_stages} stages"
+            )
+            raise ConfigError(
+                f"--compress-{name} names {given} codecs ({getattr(self, name)!r}), but the run has {where}: "
+                f"give one codec for all of them, or {wanted} separated by commas"
+                if wanted > 1
+                else f"--compress-{name} names {given} codecs ({getattr(self, name)!r}), but the run has "
+                f"{where}: give one codec"
+            )
+
     @property
     def is_enabled(self) -> bool:
-        """Whether any direction compresses."""
-        return any(getattr(self, n) != "none" for n in ("activations", "gradients", "averaging"))
+        """Whether any direction compresses anywhere."""
+        return any(c != "none" for n in self.DIRECTIONS for c in self.codecs(n))
+
+    def describe(self) -> str:
+        """One line for people: 'activations int8, gradients none,int8, ...'."""
+        parts = [f"{n} {getattr(self, n)}" for n in self.DIRECTIONS]
+        return ", ".join(parts) + f", error feedback {'on' if self.error_feedback else 'off'}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -161,6 +198,30 @@ class CompressionConfig:
     @classmethod
     def from_dict(cls, data: Any) -> CompressionConfig:
         return _from_dict(cls, data, "compression")
+
+
+def _parse_codecs(name: str, value: Any) -> str:
+    """A direction's setting checked and made canonical: 'int8', or 'none,int8' for a list
+    (a list or tuple of names is accepted too; spaces around names are dropped)."""
+    if isinstance(value, list | tuple) and value and all(isinstance(v, str) for v in value):
+        entries = [v.strip() for v in value]
+    elif isinstance(value, str):
+        entries = [v.strip() for v in value.split(",")]
+    else:
+        entries = None
+    if entries is None or (len(entries) == 1 and entries[0] not in CODEC_CHOICES):
+        raise ConfigError(
+            f"unknown codec {value!r} for {name}: choose one of {', '.join(CODEC_CHOICES)} "
+            f"(--compress-{name}), or one per boundary separated by commas"
+        )
+    for i, entry in enumerate(entries):
+        if entry not in CODEC_CHOICES:
+            place = "stage" if name == "averaging" else "boundary"
+            raise ConfigError(
+                f"unknown codec {entry!r} for {name} at {place} {i} of {','.join(entries)!r}: choose one of "
+                f"{', '.join(CODEC_CHOICES)} (--compress-{name})"
+            )
+    return ",".join(entries)
 
 
 def even_split(num_blocks: int, num_stages: int) -> tuple[int, ...]:
@@ -235,6 +296,7 @@ class RunManifest:
             object.__setattr__(self, "compression", CompressionConfig.from_dict(self.compression))
         if not isinstance(self.compression, CompressionConfig):
             raise ConfigError("manifest: compression must be a mapping")
+        self.compression.check_stages(self.num_stages)
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"unknown schedule {self.schedule!r}: choose {' or '.join(map(repr, SCHEDULES))} (--schedule)"
