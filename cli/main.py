@@ -105,7 +105,8 @@ def coordinator(
     compress_activations: Annotated[
         str,
         typer.Option(
-            help="Codec of the activations stages send forward: none, fp16, bf16, int8, nf4, uint4, "
+            help="Codec of the activations stages send forward: none, fp16, bf16, int8, nf4, uint4 "
+            "(int8-s16, nf4-s16, uint4-s16: the same with fp16 block scales, a little smaller), "
             "or auto (chosen per link from its measured bandwidth); or one per boundary, comma-separated "
             "(none,int8,nf4: stage 0 to 1 raw, 1 to 2 int8, 2 to 3 nf4)."
         ),

@@ -3,7 +3,8 @@
 Importing this package never imports triton; the Triton module loads on the first CUDA call.
 All functions take any-shaped float32/float16/bfloat16 tensors, work on the flattened values
 and return flat tensors (callers reshape). inf/NaN input raises ValueError; empty and
-all-zero tensors are fine; numel need not be a multiple of the block size.
+all-zero tensors are fine; numel need not be a multiple of the block size. Scales are fp32 or,
+with `scale_dtype=torch.float16`, fp16 (rounded up; quant_ref explains the trade).
 
     q, absmax = quantize_int8(x, block_size=256)
     x_hat = dequantize_int8(q, absmax, block_size=256).view_as(x)
@@ -14,7 +15,17 @@ from types import ModuleType
 import torch
 
 from . import quant_ref
-from .quant_ref import CODE_BOOKS, FLOAT_DTYPES, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, code_book, num_blocks
+from .quant_ref import (
+    CODE_BOOKS,
+    FLOAT_DTYPES,
+    FP16_MAX,
+    MAX_BLOCK_SIZE,
+    MIN_BLOCK_SIZE,
+    SCALE_DTYPES,
+    ScaleOverflowError,
+    code_book,
+    num_blocks,
+)
 
 DEFAULT_INT8_BLOCK_SIZE = 256  # 4 scale bytes per 256 values: 3.94x smaller than fp32
 DEFAULT_4BIT_BLOCK_SIZE = 64  # as bitsandbytes' quantize_4bit: 7.1x smaller than fp32
@@ -24,8 +35,11 @@ __all__ = [
     "DEFAULT_4BIT_BLOCK_SIZE",
     "DEFAULT_INT8_BLOCK_SIZE",
     "FLOAT_DTYPES",
+    "FP16_MAX",
     "MAX_BLOCK_SIZE",
     "MIN_BLOCK_SIZE",
+    "SCALE_DTYPES",
+    "ScaleOverflowError",
     "code_book",
     "dequantize_4bit",
     "dequantize_int8",
@@ -45,10 +59,16 @@ def _backend(t: torch.Tensor) -> ModuleType:
 
 
 def quantize_int8(
-    x: torch.Tensor, block_size: int = DEFAULT_INT8_BLOCK_SIZE, *, stochastic: bool = False, seed: int = 0
+    x: torch.Tensor,
+    block_size: int = DEFAULT_INT8_BLOCK_SIZE,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (q int8 with x.numel() values, absmax fp32 with one value per block)."""
-    return _backend(x).quantize_int8(x, block_size, stochastic=stochastic, seed=seed)
+    """Returns (q int8 with x.numel() values, absmax `scale_dtype` (fp32 or fp16) with one value
+    per block); ScaleOverflowError if fp16 scales cannot hold a block's absmax."""
+    return _backend(x).quantize_int8(x, block_size, stochastic=stochastic, seed=seed, scale_dtype=scale_dtype)
 
 
 def dequantize_int8(
@@ -68,9 +88,13 @@ def quantize_4bit(
     code: str = "nf4",
     stochastic: bool = False,
     seed: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (packed uint8 with ceil(numel / 2) bytes, absmax fp32 per block); code is "nf4" or "uint4"."""
-    return _backend(x).quantize_4bit(x, block_size, code=code, stochastic=stochastic, seed=seed)
+    """Returns (packed uint8 with ceil(numel / 2) bytes, absmax `scale_dtype` per block); code is
+    "nf4" or "uint4"."""
+    return _backend(x).quantize_4bit(
+        x, block_size, code=code, stochastic=stochastic, seed=seed, scale_dtype=scale_dtype
+    )
 
 
 def dequantize_4bit(
@@ -93,6 +117,7 @@ def quantize_int8_error_feedback(
     *,
     stochastic: bool = False,
     seed: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q = quant(g + residual); residual <- g + residual - dequant(q), in place.
 
@@ -100,4 +125,6 @@ def quantize_int8_error_feedback(
     g's device) and passes it every step; the sum of what was sent then trails the sum of the
     gradients by exactly the current residual, at most absmax / 254 per value.
     """
-    return _backend(g).quantize_int8_error_feedback(g, residual, block_size, stochastic=stochastic, seed=seed)
+    return _backend(g).quantize_int8_error_feedback(
+        g, residual, block_size, stochastic=stochastic, seed=seed, scale_dtype=scale_dtype
+    )

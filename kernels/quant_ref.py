@@ -1,12 +1,20 @@
 """Torch reference for the blockwise quantizers: the CPU path, and what the Triton kernels are tested against.
 
-Every quantizer works on the flattened tensor cut into blocks of `block_size` values, one fp32
+Every quantizer works on the flattened tensor cut into blocks of `block_size` values, one
 absmax per block (the last block is zero-padded internally; outputs keep the original numel):
 
 - int8:  q = round(x * 127 / absmax) in [-127, 127];  x' = q * absmax / 127.
 - 4-bit: idx = nearest entry of a 16-value code book in [-1, 1] to x / absmax, two indices a
   byte (element 2j in the low nibble, 2j + 1 in the high one); x' = code[idx] * absmax.
 - error feedback (int8): v = g + residual; q = quant(v); residual <- v - dequant(q).
+
+Scales (absmax) are fp32, or fp16 with `scale_dtype=torch.float16`: half the scale bytes
+(4-bit at block 64 goes from 7.1x to 7.5x smaller than fp32). An fp16 scale is the block's
+absmax rounded *up* to the next fp16 value before anything is quantized, so every value still
+fits and dequantizing with the stored scale is exact arithmetic; the cost is a step up to
+2^-10 coarser (more for blocks whose absmax is below 2^-14, where fp16 is subnormal). A block
+whose absmax exceeds 65504 has no fp16 scale: ScaleOverflowError (a ValueError), and the
+caller sends fp32 scales instead.
 
 Stochastic rounding rounds up with probability equal to the distance to the lower level, so
 E[x'] = x. The reference draws from a seeded `torch.Generator`; the Triton kernels draw from
@@ -19,6 +27,14 @@ INT8_MAX = 127
 MIN_BLOCK_SIZE = 64
 MAX_BLOCK_SIZE = 4096
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCALE_DTYPES = (torch.float32, torch.float16)
+FP16_MAX = 65504.0
+"""The largest finite fp16 value: the largest block absmax fp16 scales can hold."""
+
+
+class ScaleOverflowError(ValueError):
+    """A block's absmax is beyond what the scale dtype holds (fp16: 65504); the input is finite."""
+
 
 # NF4 (QLoRA, Dettmers et al. 2023): quantiles of N(0, 1) scaled to [-1, 1], exact zero at index 7.
 NF4_CODE = (
@@ -58,10 +74,18 @@ def check_dtype(x: torch.Tensor) -> None:
         raise ValueError(f"quantizers take float32/float16/bfloat16 tensors, got {x.dtype}")
 
 
+def check_scale_dtype(scale_dtype: torch.dtype) -> None:
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scales are float32 or float16, got {scale_dtype}")
+
+
 def check_finite(absmax: torch.Tensor, x: torch.Tensor) -> None:
-    """Raise ValueError if x held inf/NaN, judged from its block absmax (NaN and inf propagate there)."""
+    """Raise ValueError if x held inf/NaN, judged from its block absmax (NaN and inf propagate
+    there); ScaleOverflowError if x is finite but an fp16 scale overflowed."""
     if absmax.numel() and not bool(torch.isfinite(absmax).all()):
         num_bad = int((~torch.isfinite(x)).sum())
+        if num_bad == 0:
+            raise_scale_overflow(x)
         raise ValueError(
             f"cannot quantize a tensor holding {num_bad} inf/NaN value(s) out of {x.numel()}; "
             "check the loss scale or clip before compressing"
@@ -73,6 +97,24 @@ def check_input(x: torch.Tensor) -> None:
     check_dtype(x)
     if x.numel() and not bool(torch.isfinite(x).all()):
         check_finite(torch.tensor([float("nan")]), x)
+
+
+def raise_scale_overflow(x: torch.Tensor) -> None:
+    raise ScaleOverflowError(
+        f"a block's largest |value| is {float(x.abs().max()):.6g}, beyond 65504, the largest fp16 scale: "
+        "send this tensor with fp32 scales"
+    )
+
+
+def round_scales(absmax: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fp32 absmax to quantize with, the scales to store): for fp16, absmax rounded up to
+    the next fp16 value (by one step of its bit pattern, which works for subnormals too)."""
+    if scale_dtype == torch.float32:
+        return absmax, absmax
+    s = absmax.to(torch.float16)
+    up = (s.view(torch.int16) + 1).view(torch.float16)
+    s = torch.where(s.to(torch.float32) < absmax, up, s)
+    return s.to(torch.float32), s
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -105,13 +147,16 @@ def _uniform(shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor
     return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
 
 
-def _int8_from_blocks(v: torch.Tensor, stochastic: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    absmax = v.abs().amax(dim=1)  # (NB,)
+def _int8_from_blocks(
+    v: torch.Tensor, stochastic: bool, seed: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, the fp32 absmax quantized with, the scales to store)."""
+    absmax, scales = round_scales(v.abs().amax(dim=1), scale_dtype)  # (NB,)
     inv = torch.where(absmax > 0, INT8_MAX / torch.where(absmax > 0, absmax, 1.0), 0.0)
     y = v * inv[:, None]  # (NB, B) in [-127, 127]
     y.add_(_uniform(y.shape, seed, y.device) if stochastic else 0.5)
     q = y.floor_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, absmax
+    return q, absmax, scales
 
 
 def _int8_dequant_blocks(q: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
@@ -119,15 +164,21 @@ def _int8_dequant_blocks(q: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int8(
-    x: torch.Tensor, block_size: int, *, stochastic: bool = False, seed: int = 0
+    x: torch.Tensor,
+    block_size: int,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise absmax int8. Returns (q int8 of x.numel(), absmax fp32 of num_blocks)."""
+    """Blockwise absmax int8. Returns (q int8 of x.numel(), absmax `scale_dtype` of num_blocks)."""
     check_block_size(block_size)
     check_dtype(x)
+    check_scale_dtype(scale_dtype)
     n = x.numel()
-    q, absmax = _int8_from_blocks(_blocks(x, block_size), stochastic, seed)
-    check_finite(absmax, x)
-    return q.view(-1)[:n].contiguous(), absmax
+    q, _, scales = _int8_from_blocks(_blocks(x, block_size), stochastic, seed, scale_dtype)
+    check_finite(scales, x)
+    return q.view(-1)[:n].contiguous(), scales
 
 
 def dequantize_int8(
@@ -146,16 +197,23 @@ def dequantize_int8(
 
 
 def quantize_4bit(
-    x: torch.Tensor, block_size: int, *, code: str = "nf4", stochastic: bool = False, seed: int = 0
+    x: torch.Tensor,
+    block_size: int,
+    *,
+    code: str = "nf4",
+    stochastic: bool = False,
+    seed: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise absmax 4-bit. Returns (packed uint8 of ceil(numel / 2), absmax fp32 of num_blocks)."""
+    """Blockwise absmax 4-bit. Returns (packed uint8 of ceil(numel / 2), absmax `scale_dtype` of num_blocks)."""
     check_block_size(block_size)
     check_dtype(x)
+    check_scale_dtype(scale_dtype)
     n = x.numel()
     levels = code_book(code, x.device)
     v = _blocks(x, block_size)  # (NB, B)
-    absmax = v.abs().amax(dim=1)
-    check_finite(absmax, x)
+    absmax, scales = round_scales(v.abs().amax(dim=1), scale_dtype)
+    check_finite(scales, x)
     inv = torch.where(absmax > 0, 1.0 / torch.where(absmax > 0, absmax, 1.0), 0.0)
     xn = v * inv[:, None]  # (NB, B) in [-1, 1]
     if stochastic:
@@ -167,7 +225,7 @@ def quantize_4bit(
         idx = torch.bucketize(xn, code_midpoints(levels))  # number of thresholds strictly below xn
     idx = idx.to(torch.uint8).view(-1, 2)  # (NB * B / 2, 2): even, odd
     packed = idx[:, 0] | (idx[:, 1] << 4)
-    return packed[: (n + 1) // 2].contiguous(), absmax
+    return packed[: (n + 1) // 2].contiguous(), scales
 
 
 def dequantize_4bit(
@@ -197,22 +255,32 @@ def dequantize_4bit(
 
 
 def quantize_int8_error_feedback(
-    g: torch.Tensor, residual: torch.Tensor, block_size: int, *, stochastic: bool = False, seed: int = 0
+    g: torch.Tensor,
+    residual: torch.Tensor,
+    block_size: int,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q = quant(g + residual); residual <- g + residual - dequant(q), updated in place.
 
     `residual` is an fp32 tensor with g.numel() values (start it at zeros), one per gradient
-    tensor, kept by the caller across steps. Returns (q int8, absmax fp32) like quantize_int8.
+    tensor, kept by the caller across steps. Returns (q int8, absmax) like quantize_int8.
     """
     check_block_size(block_size)
     check_dtype(g)
+    check_scale_dtype(scale_dtype)
     if residual.dtype != torch.float32 or residual.numel() != g.numel():
         raise ValueError(
             f"residual must be float32 with {g.numel()} values, got {residual.dtype} with {residual.numel()}"
         )
     n = g.numel()
     v = _blocks(g, block_size) + _blocks(residual, block_size)  # (NB, B)
-    q, absmax = _int8_from_blocks(v, stochastic, seed)
-    check_finite(absmax, g)  # before touching the residual
+    q, absmax, scales = _int8_from_blocks(v, stochastic, seed, scale_dtype)
+    if not bool(torch.isfinite(scales).all()):  # before touching the residual
+        if bool(torch.isfinite(g).all()):
+            raise_scale_overflow(v)  # g + residual went beyond the fp16 scales
+        check_finite(scales, g)
     residual.view(-1).copy_((v - _int8_dequant_blocks(q, absmax)).view(-1)[:n])
-    return q.view(-1)[:n].contiguous(), absmax
+    return q.view(-1)[:n].contiguous(), scales

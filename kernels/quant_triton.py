@@ -13,14 +13,17 @@ import triton
 import triton.language as tl
 
 from .quant_ref import (
+    FP16_MAX,
     INT8_MAX,
     check_block_size,
     check_dtype,
     check_finite,
     check_input,
+    check_scale_dtype,
     code_book,
     code_midpoints,
     num_blocks,
+    raise_scale_overflow,
 )
 
 # Values per program. The interpreter pays per program instance (256-value programs ~20x
@@ -50,9 +53,20 @@ def _inf_if_nan(absmax, v):
 
 
 @triton.jit
+def _round_scale(absmax, SCALE_FP16: tl.constexpr):
+    # fp16 scales: absmax rounded up to the next fp16 value (quant_ref.round_scales), in fp32.
+    if SCALE_FP16:
+        s = absmax.to(tl.float16)
+        up = (s.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+        absmax = tl.where(s.to(tl.float32) < absmax, up, s).to(tl.float32)
+    return absmax
+
+
+@triton.jit
 def _int8_quant_kernel(
     x_ptr, r_ptr, q_ptr, absmax_ptr, n, n_blocks, seed,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
+    SCALE_FP16: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
@@ -60,7 +74,7 @@ def _int8_quant_kernel(
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if FEEDBACK:
         v += tl.load(r_ptr + offs, mask=mask, other=0.0)
-    absmax = _inf_if_nan(tl.max(tl.abs(v), axis=1), v)  # (ROWS,)
+    absmax = _round_scale(_inf_if_nan(tl.max(tl.abs(v), axis=1), v), SCALE_FP16)  # (ROWS,)
     nonzero = absmax > 0
     inv = tl.where(nonzero, _Q_MAX / tl.where(nonzero, absmax, 1.0), 0.0)
     y = v * inv[:, None]
@@ -70,7 +84,7 @@ def _int8_quant_kernel(
         y += 0.5
     q = tl.minimum(tl.maximum(tl.floor(y), -_Q_MAX), _Q_MAX)
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
-    tl.store(absmax_ptr + row, absmax, mask=row < n_blocks)
+    tl.store(absmax_ptr + row, absmax.to(absmax_ptr.dtype.element_ty), mask=row < n_blocks)
     if FEEDBACK:
         tl.store(r_ptr + offs, v - q * (absmax / _Q_MAX)[:, None], mask=mask)
 
@@ -109,6 +123,7 @@ def _stochastic_index(xn, code_ptr, u, NUM_LEVELS: tl.constexpr):
 def _4bit_quant_kernel(
     x_ptr, code_ptr, mid_ptr, packed_ptr, absmax_ptr, n, n_blocks, seed,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr, NUM_LEVELS: tl.constexpr,
+    SCALE_FP16: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = BLOCK // 2
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
@@ -117,7 +132,7 @@ def _4bit_quant_kernel(
     x_even = tl.load(x_ptr + even, mask=even < n, other=0.0).to(tl.float32)
     x_odd = tl.load(x_ptr + odd, mask=odd < n, other=0.0).to(tl.float32)
     absmax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))  # (ROWS,)
-    absmax = _inf_if_nan(_inf_if_nan(absmax, x_even), x_odd)
+    absmax = _round_scale(_inf_if_nan(_inf_if_nan(absmax, x_even), x_odd), SCALE_FP16)
     nonzero = absmax > 0
     inv = tl.where(nonzero, 1.0 / tl.where(nonzero, absmax, 1.0), 0.0)[:, None]
     if STOCHASTIC:
@@ -127,7 +142,7 @@ def _4bit_quant_kernel(
         i_even = _nearest_index(x_even * inv, mid_ptr, NUM_LEVELS)
         i_odd = _nearest_index(x_odd * inv, mid_ptr, NUM_LEVELS)
     tl.store(packed_ptr + pair, (i_even | (i_odd << 4)).to(tl.uint8), mask=even < n)
-    tl.store(absmax_ptr + row, absmax, mask=row < n_blocks)
+    tl.store(absmax_ptr + row, absmax.to(absmax_ptr.dtype.element_ty), mask=row < n_blocks)
 
 
 @triton.jit
@@ -150,42 +165,60 @@ def _grid(n_blocks: int, rows: int) -> tuple[int]:
     return (max(1, triton.cdiv(n_blocks, rows)),)
 
 
-def _launch_int8(x, residual, block_size, stochastic, seed):
+def _launch_int8(x, residual, block_size, stochastic, seed, scale_dtype):
     n = x.numel()
     nb = num_blocks(n, block_size)
     q = torch.empty(n, dtype=torch.int8, device=x.device)
-    absmax = torch.empty(nb, dtype=torch.float32, device=x.device)
+    absmax = torch.empty(nb, dtype=scale_dtype, device=x.device)
     if n:
         rows = _rows_per_program(block_size)
         feedback = residual is not None
         _int8_quant_kernel[_grid(nb, rows)](
             x.reshape(-1).contiguous(), residual if feedback else x, q, absmax, n, nb, seed,
-            BLOCK=block_size, ROWS=rows, STOCHASTIC=stochastic, FEEDBACK=feedback, num_warps=NUM_WARPS,
+            BLOCK=block_size, ROWS=rows, STOCHASTIC=stochastic, FEEDBACK=feedback,
+            SCALE_FP16=scale_dtype == torch.float16, num_warps=NUM_WARPS,
         )  # fmt: skip
     return q, absmax
 
 
 def quantize_int8(
-    x: torch.Tensor, block_size: int, *, stochastic: bool = False, seed: int = 0
+    x: torch.Tensor,
+    block_size: int,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_block_size(block_size)
     check_dtype(x)
-    q, absmax = _launch_int8(x, None, block_size, stochastic, seed)
+    check_scale_dtype(scale_dtype)
+    q, absmax = _launch_int8(x, None, block_size, stochastic, seed, scale_dtype)
     check_finite(absmax, x)
     return q, absmax
 
 
 def quantize_int8_error_feedback(
-    g: torch.Tensor, residual: torch.Tensor, block_size: int, *, stochastic: bool = False, seed: int = 0
+    g: torch.Tensor,
+    residual: torch.Tensor,
+    block_size: int,
+    *,
+    stochastic: bool = False,
+    seed: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_block_size(block_size)
+    check_scale_dtype(scale_dtype)
     check_input(g)  # a full pass first: the kernel writes the residual as it goes
     if residual.dtype != torch.float32 or residual.numel() != g.numel() or not residual.is_contiguous():
         raise ValueError(
             f"residual must be a contiguous float32 tensor with {g.numel()} values, "
             f"got {residual.dtype} with {residual.numel()}"
         )
-    return _launch_int8(g, residual, block_size, stochastic, seed)
+    if scale_dtype == torch.float16 and g.numel():
+        v = g.reshape(-1).float() + residual.view(-1)  # the same bound, before the residual changes
+        if float(v.abs().max()) > FP16_MAX:
+            raise_scale_overflow(v)
+    return _launch_int8(g, residual, block_size, stochastic, seed, scale_dtype)
 
 
 def dequantize_int8(
@@ -207,21 +240,28 @@ def dequantize_int8(
 
 
 def quantize_4bit(
-    x: torch.Tensor, block_size: int, *, code: str = "nf4", stochastic: bool = False, seed: int = 0
+    x: torch.Tensor,
+    block_size: int,
+    *,
+    code: str = "nf4",
+    stochastic: bool = False,
+    seed: int = 0,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_block_size(block_size)
     check_dtype(x)
+    check_scale_dtype(scale_dtype)
     n = x.numel()
     nb = num_blocks(n, block_size)
     levels = code_book(code, x.device)
     packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
-    absmax = torch.empty(nb, dtype=torch.float32, device=x.device)
+    absmax = torch.empty(nb, dtype=scale_dtype, device=x.device)
     if n:
         rows = _rows_per_program(block_size)
         _4bit_quant_kernel[_grid(nb, rows)](
             x.reshape(-1).contiguous(), levels, code_midpoints(levels), packed, absmax, n, nb, seed,
             BLOCK=block_size, ROWS=rows, STOCHASTIC=stochastic, NUM_LEVELS=NUM_LEVELS_4BIT,
-            num_warps=NUM_WARPS,
+            SCALE_FP16=scale_dtype == torch.float16, num_warps=NUM_WARPS,
         )  # fmt: skip
     check_finite(absmax, x)
     return packed, absmax

@@ -143,7 +143,7 @@ CASES = {
         ("coordinator", "--compress-gradients", "zstd"),
         (
             "unknown codec 'zstd' for gradients",
-            "none, fp16, bf16, int8, nf4, uint4, auto",
+            "none, fp16, bf16, int8, nf4, uint4, int8-s16, nf4-s16, uint4-s16, auto",
             "--compress-gradients",
         ),
     ),

@@ -33,6 +33,10 @@ MAX_REL_ERROR = {
     "int8": 1 / 254 + 1e-6,
     "nf4": 0.2,
     "uint4": 1 / 14 + 1e-6,
+    # fp16 scales: rounded up by at most one fp16 step (2^-10) for these normal-range blocks
+    "int8-s16": (1 + 2**-10) / 254 + 1e-6,
+    "nf4-s16": 0.2,
+    "uint4-s16": (1 + 2**-10) / 14 + 1e-6,
 }
 SHAPES = [(0,), (1,), (3, 5), (17, 31, 3), (4096,)]
 
@@ -74,6 +78,9 @@ def test_round_trip(name, shape, dtype):
         ("int8", 3.9, 4.0),
         ("nf4", 7.0, 7.2),
         ("uint4", 7.0, 7.2),
+        ("int8-s16", 3.96, 3.98),
+        ("nf4-s16", 7.5, 7.6),
+        ("uint4-s16", 7.5, 7.6),
         ("fp16", 2, 2),
         ("bf16", 2, 2),
         ("none", 1, 1),
@@ -97,6 +104,32 @@ def test_all_zero_and_non_finite():
             get_codec(name).encode(x)
     with pytest.raises(ValueError, match="inf/NaN"):
         get_codec("fp16").encode(torch.full((3,), 1e6))  # beyond the fp16 range
+
+
+@pytest.mark.parametrize("name", ["int8-s16", "nf4-s16", "uint4-s16"])
+def test_fp16_scales_fall_back_to_fp32_for_a_tensor_beyond_them(name):
+    codec, plain = get_codec(name), get_codec(name.removesuffix("-s16"))
+    x = _randn(1000)
+    payload, meta = codec.encode(x)
+    assert meta["scales"] == "fp16" and codec.payload_nbytes(meta, (1000,), torch.float32) == payload.numel()
+    x[10] = 1e5  # no fp16 scale holds this block
+    payload, meta = codec.encode(x)
+    assert meta["scales"] == "fp32"
+    assert payload.numel() == plain.encode(x)[0].numel()  # what the fp32-scale codec sends
+    torch.testing.assert_close(
+        codec.decode(payload, meta, (1000,), torch.float32), roundtrip(x, plain.name), rtol=0, atol=0
+    )
+    if name == "int8-s16":  # the fused error-feedback path falls back the same way
+        enc = ErrorFeedback().compress("g", x, name)
+        assert enc.meta["scales"] == "fp32" and enc.payload.numel() == payload.numel()
+    with pytest.raises(BadFrameError, match=rf"{name} frame has scales 'bf16', expected 'fp16' or 'fp32'"):
+        codec.decode(payload, {**meta, "scales": "bf16"}, (1000,), torch.float32)
+    with pytest.raises(BadFrameError, match=rf"{name} frame has scales None"):
+        codec.decode(payload, {k: v for k, v in meta.items() if k != "scales"}, (1000,), torch.float32)
+    # a frame of the fp32-scale codec names no scales
+    p32, m32 = plain.encode(x)
+    with pytest.raises(BadFrameError, match=r"frames carry fp32 scales and no 'scales' meta, got 'fp16'"):
+        plain.decode(p32, {**m32, "scales": "fp16"}, (1000,), torch.float32)
 
 
 @pytest.mark.parametrize("name", list(MAX_REL_ERROR))

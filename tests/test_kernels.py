@@ -184,3 +184,97 @@ def test_cpu_dispatch_uses_reference():
         assert torch.equal(a, b)
     for a, b in zip(kernels.quantize_4bit(x, code="uint4"), ref.quantize_4bit(x, 64, code="uint4")):
         assert torch.equal(a, b)
+
+
+# fp16 scales
+
+WIDE = [1e-9, 1e-6, 1e-3, 1.0, 300.0, 16000.0]  # block absmax from fp16-subnormal to near its max
+
+
+def _wide(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """N(0, 1) values, each 64-value block scaled by one of WIDE in turn."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.tensor(WIDE).repeat_interleave(64).repeat(n // (64 * len(WIDE)) + 1)[:n]
+    x = torch.randn(n, generator=gen) * scale
+    return x.clamp(-65504, 65504).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@needs_triton
+def test_fp16_scales_triton_matches_reference(n, dtype):
+    x = _wide(n, dtype)
+    q_ref, s_ref = ref.quantize_int8(x, 64, scale_dtype=torch.float16)
+    q_tri, s_tri = tri.quantize_int8(x, 64, scale_dtype=torch.float16)
+    assert s_ref.dtype == s_tri.dtype == torch.float16
+    assert torch.equal(s_tri, s_ref)  # the same rounding, bit for bit
+    _assert_q_match(q_ref, q_tri)
+    _assert_close_out(
+        tri.dequantize_int8(q_ref, s_ref, 64, dtype), ref.dequantize_int8(q_ref, s_ref, 64, dtype)
+    )
+    for code in CODES:
+        p_ref, s_ref = ref.quantize_4bit(x, 64, code=code, scale_dtype=torch.float16)
+        p_tri, s_tri = tri.quantize_4bit(x, 64, code=code, scale_dtype=torch.float16)
+        assert torch.equal(s_tri, s_ref)
+        assert (p_ref != p_tri).float().mean() < 1e-2  # ties at a midpoint may go either way
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp16_scales_round_up_and_keep_the_error_bound(impl):
+    x = _wide(64 * len(WIDE) * 4, torch.float32, seed=1)
+    absmax = x.view(-1, 64).abs().amax(dim=1)
+    q, scales = impl.quantize_int8(x, 64, scale_dtype=torch.float16)
+    s = scales.float()
+    assert scales.dtype == torch.float16 and (s >= absmax).all()  # every value still fits
+    normal = absmax >= 2**-14
+    assert (s[normal] <= absmax[normal] * (1 + 2**-10)).all()  # one fp16 step at most
+    assert (s[~normal] - absmax[~normal] <= 2**-24).all()  # subnormal: one step of 2^-24
+    err = (impl.dequantize_int8(q, scales, 64) - x).view(-1, 64).abs().amax(dim=1)
+    assert (err <= s / 254 * (1 + 1e-6)).all()
+    # 4-bit: the same scales, and every index decodes within the code book's half-gap
+    packed, scales4 = impl.quantize_4bit(x, 64, code="uint4", scale_dtype=torch.float16)
+    assert torch.equal(scales4, scales)
+    err4 = (impl.dequantize_4bit(packed, scales4, x.numel(), 64, code="uint4") - x).view(-1, 64).abs()
+    assert (err4.amax(dim=1) <= s / 14 * (1 + 1e-6)).all()
+
+
+@pytest.mark.filterwarnings(
+    "ignore:overflow encountered in cast:RuntimeWarning"
+)  # the interpreter's fp16 inf
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp16_scales_overflow_is_its_own_error(impl):
+    x = _randn(1000, torch.float32)
+    x[700] = 7e4  # finite, beyond fp16
+    for quantize in (impl.quantize_int8, impl.quantize_4bit):
+        with pytest.raises(kernels.ScaleOverflowError, match="70000, beyond 65504.*fp32 scales"):
+            quantize(x, 64, scale_dtype=torch.float16)
+        assert quantize(x, 64)[1].dtype == torch.float32  # fp32 scales hold it
+    residual = torch.full((1000,), 0.25)
+    with pytest.raises(kernels.ScaleOverflowError):
+        impl.quantize_int8_error_feedback(x, residual, 64, scale_dtype=torch.float16)
+    assert (residual == 0.25).all()  # refused before the residual changed
+    x[700] = 65504.0
+    x[701] = 65504.0 - 0.5  # and g + residual above 65504 counts too
+    with pytest.raises(kernels.ScaleOverflowError):
+        impl.quantize_int8_error_feedback(x, residual, 64, scale_dtype=torch.float16)
+    x[3] = float("nan")  # non-finite input stays the inf/NaN error
+    with pytest.raises(ValueError, match="inf/NaN") as e:
+        impl.quantize_int8(x, 64, scale_dtype=torch.float16)
+    assert not isinstance(e.value, kernels.ScaleOverflowError)
+    with pytest.raises(ValueError, match="scales are float32 or float16, got torch.bfloat16"):
+        impl.quantize_int8(x, 64, scale_dtype=torch.bfloat16)
+
+
+@needs_triton
+def test_fp16_scales_error_feedback_matches_reference():
+    g = _wide(2000, torch.float32, seed=6)
+    r_ref, r_tri = torch.full((2000,), 1e-4), torch.full((2000,), 1e-4)
+    q_ref, s_ref = ref.quantize_int8_error_feedback(g, r_ref, 64, scale_dtype=torch.float16)
+    q_tri, s_tri = tri.quantize_int8_error_feedback(g, r_tri, 64, scale_dtype=torch.float16)
+    assert torch.equal(s_tri, s_ref) and s_ref.dtype == torch.float16
+    _assert_q_match(q_ref, q_tri)
+    # the residual is exactly what the stored scales decode short of g + residual
+    sent = ref.dequantize_int8(q_ref, s_ref, 64)
+    torch.testing.assert_close(r_ref, g + 1e-4 - sent, rtol=0, atol=1e-3)
+    step = s_ref.float().repeat_interleave(64)[:2000] / 127
+    assert ((r_tri - r_ref).abs() <= step + 1e-6).all()

@@ -356,7 +356,7 @@ def test_too_many_tensors():
         (["x", {"a": 1}, [2, 3], "none", 24], r"tensor 'x': unsupported dtype \{'a': 1\}"),
         (
             spec(codec="zstd"),
-            r"tensor 'x': unknown codec 'zstd' \(known: none, fp16, bf16, int8, nf4, uint4\)",
+            r"tensor 'x': unknown codec 'zstd' \(known: none, fp16, bf16, int8, nf4, uint4, int8-s16, nf4-s16, uint4-s16\)",
         ),
         (["x", "float32", [2, -3], "none", 0], r"shape must be at most 8 non-negative ints, got \[2, -3\]"),
         (["x", "float32", [1] * (MAX_NDIM + 1), "none", 4], "shape must be at most 8 non-negative ints"),

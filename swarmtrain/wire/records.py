@@ -14,14 +14,15 @@ from typing import Any, ClassVar
 
 from swarmtrain.errors import ConfigError
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PEER_ROLES = ("coordinator", "stage", "trainer")
 SCHEDULES = ("readiness", "static")
 """How stage peers order their work and route microbatches (see swarmtrain/schedule)."""
-CODEC_CHOICES = ("none", "fp16", "bf16", "int8", "nf4", "uint4", "auto")
-"""Codec settings a manifest may name: swarmtrain.compress's codecs, or 'auto' (chosen per link
-by swarmtrain.compress.policy from its measured bandwidth)."""
+CODEC_CHOICES = ("none", "fp16", "bf16", "int8", "nf4", "uint4", "int8-s16", "nf4-s16", "uint4-s16", "auto")
+"""Codec settings a manifest may name: swarmtrain.compress's codecs (the -s16 ones keep their
+block scales in fp16), or 'auto' (chosen per link by swarmtrain.compress.policy from its
+measured bandwidth)."""
 PEER_STATES = ("joining", "serving", "draining")
 MAX_BANNED_LISTED = 16
 """Banned peers a peer record lists at most (a record stays small whatever a peer sees)."""
