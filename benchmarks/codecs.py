@@ -37,15 +37,15 @@ def _methods() -> dict[str, tuple[Encode, Decode]]:
     from hivemind.compression.base import CompressionInfo
     from hivemind.compression.quantization import BlockwiseQuantization, Uniform8BitQuantization
 
-    def ours_int8(block):
+    def ours_int8(block, scale_dtype=torch.float32):
         return (
-            lambda x: kernels.quantize_int8(x, block),
+            lambda x: kernels.quantize_int8(x, block, scale_dtype=scale_dtype),
             lambda enc: kernels.dequantize_int8(*enc, block),
         )
 
-    def ours_4bit(code):
+    def ours_4bit(code, scale_dtype=torch.float32):
         return (
-            lambda x: (kernels.quantize_4bit(x, 64, code=code), x.numel()),
+            lambda x: (kernels.quantize_4bit(x, 64, code=code, scale_dtype=scale_dtype), x.numel()),
             lambda enc: kernels.dequantize_4bit(*enc[0], enc[1], 64, code=code),
         )
 
@@ -60,6 +60,8 @@ def _methods() -> dict[str, tuple[Encode, Decode]]:
         "ours_int8_b4096": ours_int8(4096),
         "ours_nf4_b64": ours_4bit("nf4"),
         "ours_uint4_b64": ours_4bit("uint4"),
+        "ours_int8_b256_s16": ours_int8(256, torch.float16),  # fp16 scales
+        "ours_nf4_b64_s16": ours_4bit("nf4", torch.float16),
         "bnb_blockwise8_b4096": (
             lambda x: bnbf.quantize_blockwise(x, blocksize=4096),
             lambda enc: bnbf.dequantize_blockwise(*enc),
@@ -107,13 +109,23 @@ def bench_cpu(size_m: float, repeats: int) -> dict[str, dict[str, float]]:
     return rows
 
 
+PUBLISHED_PEAK_GBps = {
+    "H200": 4800.0,
+    "H100 80GB HBM3": 3350.0,
+    "H100 PCIe": 2000.0,
+    "A100-SXM4-80GB": 2039.0,
+}
+"""Vendors' peak memory bandwidth, for devices whose properties do not report clock and bus width."""
+
+
 def _peak_bandwidth_GBps() -> float | None:
     props = torch.cuda.get_device_properties(0)
     clock_khz = getattr(props, "memory_clock_rate", None)
     bus_bits = getattr(props, "memory_bus_width", None)
-    if not clock_khz or not bus_bits:
-        return None
-    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # double data rate
+    if clock_khz and bus_bits:
+        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # double data rate
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in PUBLISHED_PEAK_GBps.items() if k in name), None)
 
 
 def bench_cuda(size_m: float, repeats: int) -> dict[str, dict[str, float]]:
@@ -132,6 +144,10 @@ def bench_cuda(size_m: float, repeats: int) -> dict[str, dict[str, float]]:
         "triton_nf4_dequant": (
             lambda: tri.dequantize_4bit(packed, absmax4, n, 64),
             n // 2 + 4 * n // 64 + 4 * n,
+        ),
+        "triton_int8_quant_s16": (
+            lambda: tri.quantize_int8(x, 256, scale_dtype=torch.float16),
+            4 * n + n + 2 * n // 256,
         ),
         "triton_int8_error_feedback": (
             lambda: tri.quantize_int8_error_feedback(x, residual, 256),

@@ -76,6 +76,8 @@ SETTINGS = [
     Setting(activations="int8", gradients="nf4"),
     Setting(activations="uint4", gradients="uint4"),
     Setting(activations="uint4", gradients="uint4", error_feedback=True),
+    Setting(activations="int8-s16", gradients="int8-s16"),  # fp16 block scales
+    Setting(activations="nf4-s16", gradients="nf4-s16"),
 ]
 
 
@@ -158,6 +160,11 @@ def main() -> None:
         "--seeds", default="0,1", help="run seeds, comma-separated; figures are means over them"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--codecs",
+        help="run only the settings whose activation codec is one of these, comma-separated "
+        "(the uncompressed baseline always runs)",
+    )
     parser.add_argument("--json-out", help="also write the JSON document to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -165,7 +172,13 @@ def main() -> None:
 
     seeds = [int(x) for x in args.seeds.split(",")]
     results = []
-    for setting in SETTINGS:
+    settings = SETTINGS
+    if args.codecs:
+        wanted = set(args.codecs.split(","))
+        if unknown := wanted - {x.activations for x in SETTINGS}:
+            parser.error(f"--codecs: no setting uses {', '.join(sorted(unknown))}")
+        settings = [x for x in SETTINGS if x == SETTINGS[0] or x.activations in wanted]
+    for setting in settings:
         runs = [train(setting, steps=args.steps, num_stages=args.stages, seed=s, text=text) for s in seeds]
         results.append({"setting": setting.label, **asdict(setting), "final_loss": _mean(runs, "final_loss"),
                         "eval_loss": _mean(runs, "eval_loss"), "runs": runs})  # fmt: skip
