@@ -15,7 +15,7 @@ from swarmtrain.errors import SwarmError
 from swarmtrain.peers.dashboard.server import DashboardConfig, DashboardThread
 from swarmtrain.peers.dashboard.state import SwarmView, ViewConfig
 from swarmtrain.wire.metrics import TrainerPoint
-from swarmtrain.wire.records import PeerRecord, RunManifest
+from swarmtrain.wire.records import CompressionConfig, PeerRecord, RunManifest
 
 MANIFEST = RunManifest(run_id="dash", model="tiny-gpt", num_blocks=4, stage_bounds=(0, 2, 4))
 A = "12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA1"
@@ -49,6 +49,22 @@ def test_first_poll_reports_joins_and_maps_stages_to_block_spans():
     assert [[r["peer_id"] for r in s["replicas"]] for s in stages] == [[A], [B]]
     assert stages[0]["replicas"][0]["device"] == "cuda:0 (H200)"
     assert list(view.peers_per_stage) == [(1, 1)]
+
+
+def test_the_map_names_each_stages_codecs():
+    m = dataclasses.replace(
+        MANIFEST,
+        stage_bounds=(0, 1, 2, 4),
+        compression=CompressionConfig(activations="none,int8", gradients="int8", averaging="nf4,none,fp16"),
+    )
+    view = SwarmView()
+    view.update([stage_peer(A, 0)], m, now=0.0)
+    assert [s["codecs"] for s in view.stages()] == [
+        {"forward": "none", "backward": None, "averaging": "nf4"},
+        {"forward": "int8", "backward": "int8", "averaging": "none"},
+        {"forward": None, "backward": "int8", "averaging": "fp16"},
+    ]
+    assert view.snapshot()["manifest"]["compression"]["activations"] == "none,int8"
 
 
 def test_state_change_stage_move_and_step_completion_are_events():

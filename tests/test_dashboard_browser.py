@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from swarmtrain.train.data import TokenBatches, stdlib_text
+from swarmtrain.wire.records import CompressionConfig
 from tests.browser import screenshot, set_viewport, start_browser
 from tests.conftest import TINY_GPT, wait_until
 
@@ -34,6 +35,8 @@ MAP_JS = """return [...document.querySelectorAll('#map .replica')].map(
     e => [e.dataset.peer, e.dataset.status, e.closest('.stage').dataset.stage])"""
 TABLE_JS = """return [...document.querySelectorAll('#peers tr[data-peer]')].map(tr => [tr.dataset.peer,
     tr.querySelector('[data-col=status]').textContent, tr.querySelector('[data-col=served]').textContent])"""
+CODECS_JS = """return [...document.querySelectorAll('#map .stage')].map(
+    s => s.querySelector('.codecs').textContent.trim().replace(/\\s+/g, ' '));"""
 CHART_JS = """const div = document.getElementById(arguments[0]);
     return (div && div.data || []).map(trace => trace.y || [])"""
 OVERFLOW_JS = """const width = document.documentElement.clientWidth, right = e => e.getBoundingClientRect().right;
@@ -88,6 +91,7 @@ def test_dashboard_in_a_browser_follows_a_real_swarm_and_status_outlives_the_coo
         run_id="dash",
         model_config=TINY_GPT,
         num_stages=2,
+        compression=CompressionConfig(activations="int8", gradients="int8"),
         dashboard_port=0,
         stage_args={0: ("--port", str(stage0_port))},
     )
@@ -102,6 +106,11 @@ def test_dashboard_in_a_browser_follows_a_real_swarm_and_status_outlives_the_coo
             timeout_s=30,
             what="both stage peers serving on the swarm map",
         )
+
+        codecs = browser.execute_script(CODECS_JS)
+        assert codecs == ["\u2192 int8 \u2194 none", "\u2190 int8 \u2194 none"], (
+            codecs
+        )  # forward, back, averaging
 
         # Train while the page is open: what follows reaches it over SSE, without a reload.
         with swarm.trainer() as trainer:
@@ -174,6 +183,7 @@ def test_dashboard_in_a_browser_follows_a_real_swarm_and_status_outlives_the_coo
     as_table = status_command("--initial-peers", address)
     report = json.loads(finish(as_json))
     assert report["manifest"]["run_id"] == "dash" and report["manifest"]["stage_bounds"] == [0, 2, 4]
+    assert report["manifest"]["compression"]["activations"] == "int8"
     assert [(r["peer_id"], r["status"]) for r in report["stages"][0]["replicas"]] == [(ids[0], "serving")]
     assert report["stages"][1]["replicas"] == []  # the killed peer's record has expired
     assert report["trainers"][0]["step"] == results[-1].step

@@ -25,6 +25,10 @@ class ManifestSummary(BaseModel):
     optimizer: dict
     max_steps: int = Field(description="Steps the run aims for (0: until stopped).")
     schedule: str = Field(description="'readiness' or 'static'.")
+    compression: dict = Field(
+        description="Codecs per direction: one for the whole pipeline or a comma-separated list per boundary "
+        "(activations, gradients) or per stage (averaging); and error_feedback."
+    )
 
 
 class PeerView(BaseModel):
@@ -73,6 +77,10 @@ class StageView(BaseModel):
     stage: int
     blocks: list[int] = Field(description="[start, end): the blocks the stage holds.")
     num_serving: int
+    codecs: dict[str, str | None] = Field(
+        description="What this stage's peers send with: 'forward' (activations to the next stage), 'backward' "
+        "(gradients to the previous one), 'averaging' (to the other replicas); null where it sends none of it."
+    )
     replicas: list[PeerView] = Field(description="Live replicas (earliest first), then recently gone ones.")
 
 

@@ -35,6 +35,8 @@ PAGE = """<!doctype html>
   .stage.empty { border-color: var(--banned); }
   .stage h3 { margin: 0 0 6px; font-size: 14px; }
   .stage h3 small { color: var(--muted); font-weight: normal; }
+  .stage .codecs { font-size: 12px; color: var(--muted); margin: -2px 0 6px; }
+  .stage .codecs span { margin-right: 8px; white-space: nowrap; }
   .replica { border-left: 5px solid var(--muted); background: var(--bg); padding: 4px 6px; margin: 4px 0;
              border-radius: 3px; font-size: 12px; overflow-wrap: anywhere; }
   .replica b { font-family: ui-monospace, monospace; }
@@ -126,6 +128,12 @@ const opts = {displayModeBar: false};
 const resized = new ResizeObserver(boxes => boxes.forEach(b => b.target.data && Plotly.Plots.resize(b.target)));
 document.querySelectorAll(".chart").forEach(chart => resized.observe(chart));
 
+// Whether the run compresses anything (the map then shows each stage's codecs).
+function compressed(view) {
+  const c = view.manifest && view.manifest.compression;
+  return !!c && ["activations", "gradients", "averaging"].some(d => c[d].split(",").some(x => x !== "none"));
+}
+
 function renderMap(view) {
   const map = document.getElementById("map");
   if (!view.stages.length) { map.textContent = "no manifest yet"; return; }
@@ -133,6 +141,9 @@ function renderMap(view) {
     <div class="stage ${s.num_serving ? "" : "empty"}" data-stage="${s.stage}">
       <h3>stage ${s.stage} <small>blocks ${s.blocks[0]}&ndash;${s.blocks[1] - 1} &middot;
         ${s.num_serving} serving</small></h3>
+      ${compressed(view) ? `<div class="codecs">${[["forward", "&rarr;"], ["backward", "&larr;"],
+        ["averaging", "&harr;"]].filter(([d]) => s.codecs[d]).map(([d, arrow]) =>
+        `<span title="${d}">${arrow} ${esc(s.codecs[d])}</span>`).join(" ")}</div>` : ""}
       ${s.replicas.map(r => `<div class="replica ${esc(r.status)} ${r.missing_polls ? "stale" : ""}"
           data-peer="${esc(r.peer_id)}" data-status="${esc(r.status)}" title="${esc(r.peer_id)}">
           <span class="st">${esc(r.status)}</span><b>${esc(short(r.peer_id))}</b><br>

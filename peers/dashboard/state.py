@@ -295,6 +295,7 @@ class SwarmView:
                     "stage": k,
                     "blocks": [start, end],
                     "num_serving": sum(r.state == "serving" for r in live),
+                    "codecs": self._stage_codecs(k),
                     "replicas": [self._peer_dict(r) for r in live]
                     + [self._peer_dict(r, left_at=t) for r, t in gone],
                 }
@@ -318,6 +319,14 @@ class SwarmView:
             "left_at": left_at,
         }
 
+    def _stage_codecs(self, k: int) -> dict[str, str | None]:
+        c, last = self.manifest.compression, self.manifest.num_stages - 1
+        return {
+            "forward": c.codec("activations", k) if k < last else None,
+            "backward": c.codec("gradients", k - 1) if k > 0 else None,
+            "averaging": c.codec("averaging", k),
+        }
+
     def _manifest_summary(self) -> dict | None:
         m = self.manifest
         if m is None:
@@ -333,6 +342,7 @@ class SwarmView:
             "optimizer": m.optimizer.to_dict(),
             "max_steps": m.max_steps,
             "schedule": m.schedule,
+            "compression": m.compression.to_dict(),
         }
 
     def _series(self) -> dict:
