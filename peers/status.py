@@ -21,7 +21,7 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.peers.dashboard.state import SwarmView
 from swarmtrain.swarm.node import NodeConfig
 from swarmtrain.wire.metrics import TrainerPoint
-from swarmtrain.wire.records import PeerRecord, RunManifest, check_run_id
+from swarmtrain.wire.records import CompressionConfig, PeerRecord, RunManifest, check_run_id
 
 STATUS_STYLES = {
     "serving": "green",
@@ -232,6 +232,9 @@ def render_status(status: dict) -> Group:
             f"{m['stage_bounds']}, schedule {m['schedule']}, step {step}"
             + (f" of {m['max_steps']}" if m["max_steps"] else "")
         )
+        compression = CompressionConfig.from_dict(m["compression"]) if m.get("compression") else None
+        if compression is not None and compression.is_enabled:
+            headline.append(f"\ncompression: {compression.describe()}")
     parts = [headline]
     if m is not None:
         parts.append(stages_table(status))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from swarmtrain.errors import ConfigError, RunNotFoundError
 from swarmtrain.peers.status import StatusConfig, format_bytes, read_status, render_status
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.wire.metrics import TrainerPoint
-from swarmtrain.wire.records import PeerRecord, RunManifest
+from swarmtrain.wire.records import CompressionConfig, PeerRecord, RunManifest
 
 A = "12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA1"
 B = "12D3KooWBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB2"
@@ -110,3 +111,12 @@ def test_status_needs_an_address_to_join_through():
 )
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
+
+
+def test_status_names_the_runs_codecs():
+    compressed = dataclasses.replace(
+        DASH, compression=CompressionConfig(activations="nf4-s16", gradients="int8", averaging="int8,none")
+    )
+    text = printed(read_status(FakeSwarm([compressed], {"dash": PEERS}), None, now=100.0))
+    assert "compression: activations nf4-s16, gradients int8, averaging int8,none, error feedback on" in text
+    assert "compression:" not in printed(read_status(FakeSwarm([DASH], {"dash": PEERS}), None, now=100.0))
