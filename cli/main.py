@@ -514,6 +514,13 @@ def demo(
             "for them from measured capacity (overrides --stages).",
         ),
     ] = False,
+    compress: Annotated[
+        str,
+        typer.Option(
+            help="Codec of everything stages send (activations, their gradients, replicas' gradient sums): "
+            "none, fp16, bf16, int8, nf4, uint4, int8-s16, nf4-s16, uint4-s16 or auto."
+        ),
+    ] = "none",
     as_json: Annotated[
         bool, typer.Option("--json", help="Print a machine-readable summary (JSON) on stdout at the end.")
     ] = False,
@@ -532,6 +539,7 @@ def demo(
             lr=lr,
             port=port,
             heterogeneous=heterogeneous,
+            compress=compress,
         )
         summary = run_demo(config, quiet=as_json)
         if as_json:

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from swarmtrain.errors import SwarmError
+from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig, cli_command
 from swarmtrain.peers.planning import plan_emulated_peers
-from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from swarmtrain.wire.records import CODEC_CHOICES, BatchConfig, CompressionConfig, OptimizerConfig
 
 DEMO_MODEL = {"n_layer": 6, "n_head": 4, "d_model": 128, "seq_len": 64, "vocab_size": 256}
 HETEROGENEOUS_SLOWDOWNS = (1.0, 1.0, 2.0, 4.0)
@@ -41,6 +41,22 @@ class DemoConfig:
     """Coordinator port (0: any free port)."""
     heterogeneous: bool = False
     """Start peers of unequal speed (HETEROGENEOUS_SLOWDOWNS) and plan the stages for them."""
+    compress: str = "none"
+    """One codec for activations, their gradients and the replicas' gradient sums."""
+
+    def __post_init__(self):
+        if "," in self.compress:
+            raise ConfigError(
+                f"--compress takes one codec, got {self.compress!r}: for a codec per boundary, start the swarm "
+                "with `swarmtrain coordinator --compress-activations ...`"
+            )
+        if self.compress not in CODEC_CHOICES:
+            raise ConfigError(
+                f"unknown codec {self.compress!r} for --compress: choose one of {', '.join(CODEC_CHOICES)}"
+            )
+
+    def compression(self) -> CompressionConfig:
+        return CompressionConfig(activations=self.compress, gradients=self.compress, averaging=self.compress)
 
 
 def _describe_plan(plan, stages: list[list[float]]) -> list[dict]:
@@ -90,6 +106,7 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         stage_args=stage_args,
         optimizer=OptimizerConfig(lr=config.lr),
         batch=batch,
+        compression=config.compression(),
         coordinator_port=config.port,
         dashboard_port=0,
     )
@@ -109,6 +126,7 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         console.print("join it from another terminal with:")
         console.print(f"  swarmtrain join --initial-peers {swarm.address}", soft_wrap=True, highlight=False)
         summary = _train(swarm, config, console, model_config, quiet)
+        summary |= _wire_bytes(swarm, console, quiet)
         if layout is not None:
             summary["layout"] = layout
         return summary
@@ -117,6 +135,25 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         raise
     finally:
         swarm.close()
+
+
+def _wire_bytes(swarm: LocalSwarm, console: Console, quiet: bool) -> dict:
+    """What the stage peers sent, from their latest records: tensor bytes on the wire and before
+    compression (link probes at start-up included)."""
+    from swarmtrain.peers.status import StatusConfig, read_swarm_status
+    from swarmtrain.swarm import NodeConfig
+
+    status = read_swarm_status(StatusConfig(node=NodeConfig(initial_peers=(swarm.address,)), run_id="demo"))
+    stages = [r for r in status["peers"] if r["role"] == "stage"]
+    wire, raw = sum(r["bytes_sent"] for r in stages), sum(r["raw_bytes_sent"] for r in stages)
+    if not quiet and wire:
+        from swarmtrain.peers.status import format_bytes
+
+        console.print(
+            f"stage peers sent {format_bytes(wire)} on the wire ({format_bytes(raw)} before compression, "
+            f"{raw / wire:.2f}x)"
+        )
+    return {"compression": swarm.config.compression.activations, "wire_bytes": wire, "raw_bytes": raw}
 
 
 def _train(swarm: LocalSwarm, config: DemoConfig, console: Console, model_config: dict, quiet: bool) -> dict:

@@ -154,6 +154,13 @@ CASES = {
             "give one codec",
         ),
     ),
+    "demo-compress-unknown": Case(
+        ("demo", "--compress", "zstd"), ("unknown codec 'zstd' for --compress: choose one of none, fp16",)
+    ),
+    "demo-compress-list": Case(
+        ("demo", "--compress", "int8,none"),
+        ("--compress takes one codec, got 'int8,none'", "swarmtrain coordinator --compress-activations"),
+    ),
     "ready-file-folder-missing": Case(
         ("join", "--initial-peers", "{nobody}", "--ready-file", "/nonexistent-folder/ready"),
         ("--ready-file", "/nonexistent-folder does not exist"),
