@@ -27,10 +27,13 @@ from .quant_ref import (
 )
 
 # Values per program. The interpreter pays per program instance (256-value programs ~20x
-# slower than 4096), so it gets huge tiles; on a GPU 4096 values keep a tile in registers.
-TILE_VALUES_GPU = 4096
+# slower than 4096), so it gets huge tiles. On a GPU, 2048 values over 8 warps is 8 a thread:
+# `python -m swarmtrain.kernels.aot` shows every variant in at most 120 registers with no
+# spills, where 4096 values over 4 warps (32 a thread) hit the 255-register cap and spilled up
+# to 460 bytes a thread in the error-feedback and stochastic variants (ptxas -v, sm_90).
+TILE_VALUES_GPU = 2048
 TILE_VALUES_INTERPRET = 65536
-NUM_WARPS = 4
+NUM_WARPS = 8
 NUM_LEVELS_4BIT = 16
 
 # Kernels may only read globals wrapped in tl.constexpr.
