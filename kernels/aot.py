@@ -4,8 +4,11 @@ Under TRITON_INTERPRET=1 the kernels run as numpy, which accepts code that would
 for a GPU (a cast the backend lacks, a tile too large for registers). This module compiles each
 kernel, in every constexpr variant the launchers use, through Triton's real pipeline (TTIR,
 TTGIR, LLVM, PTX, then ptxas, all bundled with triton) for a GPU architecture, and reads the
-register use and spills of each with `ptxas -v`. Spilled registers go to local memory, which
-makes a bandwidth-bound kernel slow on any GPU.
+register use and spills of each with `ptxas -v`, and the widest global load and store in its
+PTX. Spilled registers go to local memory, and scalar accesses where 16-byte vector ones could
+be issue 4-16x the memory instructions: either makes a bandwidth-bound kernel slow on any GPU.
+Pointers and sizes are compiled as 16-aligned, as Triton's JIT specializes them at launch for
+tensors from torch's allocator and sizes that are multiples of 16.
 
     python -m swarmtrain.kernels.aot            # sm_80 and sm_90, one JSON object per kernel variant
     python -m swarmtrain.kernels.aot --arch 90
@@ -72,13 +75,21 @@ def variants() -> Iterator[Variant]:
                 yield Variant(
                     "_4bit_quant_kernel",
                     {"x_ptr": "*fp32", "code_ptr": "*fp32", "mid_ptr": "*fp32", "packed_ptr": "*u8",
-                     "absmax_ptr": SCALE_TYPES[fp16], **ints, "seed": "i32"},
+                     "absmax_ptr": SCALE_TYPES[fp16], "n": "i32", "n_bytes": "i32", "n_blocks": "i32", "seed": "i32"},
                     {"BLOCK": block, "ROWS": rows(block), "STOCHASTIC": stochastic,
                      "NUM_LEVELS": q.NUM_LEVELS_4BIT, "SCALE_FP16": fp16},
                 )  # fmt: skip
         yield Variant(
             "_4bit_dequant_kernel",
-            {"packed_ptr": "*u8", "code_ptr": "*fp32", "absmax_ptr": "*fp32", "out_ptr": "*bf16", **ints},
+            {
+                "packed_ptr": "*u8",
+                "code_ptr": "*fp32",
+                "absmax_ptr": "*fp32",
+                "out_ptr": "*bf16",
+                "n": "i32",
+                "n_bytes": "i32",
+                "n_blocks": "i32",
+            },
             {"BLOCK": block, "ROWS": rows(block)},
         )
 
@@ -114,8 +125,24 @@ def _resource_usage(ptx: str, arch: int) -> dict[str, int]:
     return found
 
 
+ALIGNED_ARGS = ("n", "n_bytes")
+"""Size arguments Triton's JIT sees as multiples of 16 in the usual case (it specializes each
+int argument, and each pointer on 16-byte alignment, when it launches): compiled so here too."""
+
+
+def _widest_access_bytes(ptx: str, op: str) -> int:
+    """Bytes moved by the widest `op` ('ld' or 'st') to global memory in `ptx`: 16 for a
+    vectorized ld.global.v4.b32, 1 for a lone byte."""
+    widths = [
+        (int(vec or 1)) * int(bits) // 8
+        for vec, bits in re.findall(rf"\b{op}\.global(?:\.[a-z]+)*?(?:\.v(\d))?\.[bufs](\d+)\b", ptx)
+    ]
+    return max(widths, default=0)
+
+
 def compile_variant(variant: Variant, arch: int) -> dict:
-    """Compile one variant for sm_`arch`; its registers, stack, shared and local bytes."""
+    """Compile one variant for sm_`arch`: registers, stack and spills (ptxas -v), and the widest
+    global load and store in bytes (whether the bulk accesses came out vectorized)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -124,9 +151,18 @@ def compile_variant(variant: Variant, arch: int) -> dict:
 
     fn = getattr(q, variant.kernel)
     signature = dict(variant.signature) | {k: "constexpr" for k in variant.constexprs}
-    source = ASTSource(fn=fn, signature=signature, constexprs=dict(variant.constexprs))
+    aligned = [n for n, t in variant.signature.items() if t.startswith("*") or n in ALIGNED_ARGS]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=dict(variant.constexprs), attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": q.NUM_WARPS})
-    return {"variant": variant.label, "arch": f"sm_{arch}", **_resource_usage(compiled.asm["ptx"], arch)}
+    ptx = compiled.asm["ptx"]
+    return {
+        "variant": variant.label,
+        "arch": f"sm_{arch}",
+        **_resource_usage(ptx, arch),
+        "widest_load_bytes": _widest_access_bytes(ptx, "ld"),
+        "widest_store_bytes": _widest_access_bytes(ptx, "st"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,9 +28,9 @@ from .quant_ref import (
 
 # Values per program. The interpreter pays per program instance (256-value programs ~20x
 # slower than 4096), so it gets huge tiles. On a GPU, 2048 values over 8 warps is 8 a thread:
-# `python -m swarmtrain.kernels.aot` shows every variant in at most 120 registers with no
-# spills, where 4096 values over 4 warps (32 a thread) hit the 255-register cap and spilled up
-# to 460 bytes a thread in the error-feedback and stochastic variants (ptxas -v, sm_90).
+# 16-byte vector loads of fp32 and at most 74 registers in every variant on sm_90, where 4096
+# over 4 warps needed up to 186 (fewer resident warps to hide memory latency). See
+# `python -m swarmtrain.kernels.aot`; the speed itself is for benchmarks/codecs.py on a GPU.
 TILE_VALUES_GPU = 2048
 TILE_VALUES_INTERPRET = 65536
 NUM_WARPS = 8
@@ -124,44 +124,45 @@ def _stochastic_index(xn, code_ptr, u, NUM_LEVELS: tl.constexpr):
 
 @triton.jit
 def _4bit_quant_kernel(
-    x_ptr, code_ptr, mid_ptr, packed_ptr, absmax_ptr, n, n_blocks, seed,
+    x_ptr, code_ptr, mid_ptr, packed_ptr, absmax_ptr, n, n_bytes, n_blocks, seed,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr, NUM_LEVELS: tl.constexpr,
     SCALE_FP16: tl.constexpr,
 ):  # fmt: skip
+    # Values load as one contiguous (ROWS, BLOCK) tile (vector loads) and their indices pair up
+    # in registers; loading even and odd values apart would make every access stride-2.
     HALF: tl.constexpr = BLOCK // 2
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
-    pair = row[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF): byte index
-    even, odd = 2 * pair, 2 * pair + 1
-    x_even = tl.load(x_ptr + even, mask=even < n, other=0.0).to(tl.float32)
-    x_odd = tl.load(x_ptr + odd, mask=odd < n, other=0.0).to(tl.float32)
-    absmax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))  # (ROWS,)
-    absmax = _round_scale(_inf_if_nan(_inf_if_nan(absmax, x_even), x_odd), SCALE_FP16)
+    offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    absmax = _round_scale(_inf_if_nan(tl.max(tl.abs(x), axis=1), x), SCALE_FP16)  # (ROWS,)
     nonzero = absmax > 0
-    inv = tl.where(nonzero, 1.0 / tl.where(nonzero, absmax, 1.0), 0.0)[:, None]
+    xn = x * tl.where(nonzero, 1.0 / tl.where(nonzero, absmax, 1.0), 0.0)[:, None]
     if STOCHASTIC:
-        i_even = _stochastic_index(x_even * inv, code_ptr, tl.rand(seed, even), NUM_LEVELS)
-        i_odd = _stochastic_index(x_odd * inv, code_ptr, tl.rand(seed, odd), NUM_LEVELS)
+        idx = _stochastic_index(xn, code_ptr, tl.rand(seed, offs), NUM_LEVELS)
     else:
-        i_even = _nearest_index(x_even * inv, mid_ptr, NUM_LEVELS)
-        i_odd = _nearest_index(x_odd * inv, mid_ptr, NUM_LEVELS)
-    tl.store(packed_ptr + pair, (i_even | (i_odd << 4)).to(tl.uint8), mask=even < n)
+        idx = _nearest_index(xn, mid_ptr, NUM_LEVELS)
+    i_even, i_odd = tl.split(tl.reshape(idx, (ROWS, HALF, 2)))  # (ROWS, HALF) each
+    pair = row[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF): byte index
+    # n_bytes = ceil(n / 2) comes as an argument: a mask from `2 * pair < n` would stop Triton
+    # from proving it constant over a thread's bytes, and split the store into single bytes.
+    tl.store(packed_ptr + pair, (i_even | (i_odd << 4)).to(tl.uint8), mask=pair < n_bytes)
     tl.store(absmax_ptr + row, absmax.to(absmax_ptr.dtype.element_ty), mask=row < n_blocks)
 
 
 @triton.jit
 def _4bit_dequant_kernel(
-    packed_ptr, code_ptr, absmax_ptr, out_ptr, n, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr
+    packed_ptr, code_ptr, absmax_ptr, out_ptr, n, n_bytes, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr
 ):
     HALF: tl.constexpr = BLOCK // 2
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     pair = row[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (ROWS, HALF)
-    even, odd = 2 * pair, 2 * pair + 1
-    p = tl.load(packed_ptr + pair, mask=even < n, other=0).to(tl.int32)
+    p = tl.load(packed_ptr + pair, mask=pair < n_bytes, other=0).to(tl.int32)
     absmax = tl.load(absmax_ptr + row, mask=row < n_blocks, other=0.0)[:, None]
     out_even = tl.load(code_ptr + (p & 0xF)) * absmax
     out_odd = tl.load(code_ptr + (p >> 4)) * absmax
-    tl.store(out_ptr + even, out_even.to(out_ptr.dtype.element_ty), mask=even < n)
-    tl.store(out_ptr + odd, out_odd.to(out_ptr.dtype.element_ty), mask=odd < n)
+    out = tl.reshape(tl.join(out_even, out_odd), (ROWS, BLOCK))  # values 2j, 2j + 1 side by side
+    offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=offs < n)
 
 
 def _grid(n_blocks: int, rows: int) -> tuple[int]:
@@ -262,7 +263,7 @@ def quantize_4bit(
     if n:
         rows = _rows_per_program(block_size)
         _4bit_quant_kernel[_grid(nb, rows)](
-            x.reshape(-1).contiguous(), levels, code_midpoints(levels), packed, absmax, n, nb, seed,
+            x.reshape(-1).contiguous(), levels, code_midpoints(levels), packed, absmax, n, (n + 1) // 2, nb, seed,
             BLOCK=block_size, ROWS=rows, STOCHASTIC=stochastic, NUM_LEVELS=NUM_LEVELS_4BIT,
             SCALE_FP16=scale_dtype == torch.float16, num_warps=NUM_WARPS,
         )  # fmt: skip
@@ -291,6 +292,6 @@ def dequantize_4bit(
         rows = _rows_per_program(block_size)
         _4bit_dequant_kernel[_grid(nb, rows)](
             packed.reshape(-1).contiguous(), code_book(code, packed.device), absmax.float().contiguous(),
-            out, numel, nb, BLOCK=block_size, ROWS=rows, num_warps=NUM_WARPS,
+            out, numel, (numel + 1) // 2, nb, BLOCK=block_size, ROWS=rows, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
