@@ -151,7 +151,7 @@ def _int8_from_blocks(
     v: torch.Tensor, stochastic: bool, seed: int, scale_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, the fp32 absmax quantized with, the scales to store)."""
-    absmax, scales = round_scales(v.abs().amax(dim=1), scale_dtype)  # (NB,)
+    absmax, scales = round_scales(_absmax(v), scale_dtype)  # (NB,)
     inv = torch.where(absmax > 0, INT8_MAX / torch.where(absmax > 0, absmax, 1.0), 0.0)
     y = v * inv[:, None]  # (NB, B) in [-127, 127]
     y.add_(_uniform(y.shape, seed, y.device) if stochastic else 0.5)
@@ -159,8 +159,15 @@ def _int8_from_blocks(
     return q, absmax, scales
 
 
+def _absmax(v: torch.Tensor) -> torch.Tensor:
+    """Each row's largest |value| (NaN if it holds one). Not torch.aminmax: it saves the |v|
+    temporary but runs at 1.5 GB/s where abs().amax runs at 14 on cache-sized tensors."""
+    return v.abs().amax(dim=1)
+
+
 def _int8_dequant_blocks(q: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-    return q.to(torch.float32) * (absmax / INT8_MAX)[:, None]  # (NB, B)
+    out = q.to(torch.float32)  # (NB, B); scaled in place: one allocation (2x faster on 64M values)
+    return out.mul_((absmax / INT8_MAX)[:, None])
 
 
 def quantize_int8(
@@ -191,9 +198,11 @@ def dequantize_int8(
         raise ValueError(
             f"{n} values in blocks of {block_size} need {num_blocks(n, block_size)} scales, got {absmax.numel()}"
         )
-    pad = absmax.numel() * block_size - n
-    qb = torch.nn.functional.pad(q.reshape(-1), (0, pad)).view(-1, block_size)  # (NB, B)
-    return _int8_dequant_blocks(qb, absmax.to(torch.float32)).view(-1)[:n].to(dtype)
+    out = torch.empty(absmax.numel() * block_size, dtype=torch.float32, device=q.device)
+    out[:n] = q.reshape(-1)  # converted as it is copied
+    out[n:] = 0  # the last block's padding
+    out.view(-1, block_size).mul_((absmax.to(torch.float32) / INT8_MAX)[:, None])
+    return out[:n].to(dtype)
 
 
 def quantize_4bit(
@@ -212,7 +221,7 @@ def quantize_4bit(
     n = x.numel()
     levels = code_book(code, x.device)
     v = _blocks(x, block_size)  # (NB, B)
-    absmax, scales = round_scales(v.abs().amax(dim=1), scale_dtype)
+    absmax, scales = round_scales(_absmax(v), scale_dtype)
     check_finite(scales, x)
     inv = torch.where(absmax > 0, 1.0 / torch.where(absmax > 0, absmax, 1.0), 0.0)
     xn = v * inv[:, None]  # (NB, B) in [-1, 1]
