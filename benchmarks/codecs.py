@@ -5,7 +5,8 @@
 Sizes are millions of N(0, 1) float32 values. Throughput is GB/s of fp32 input through
 encode and through decode (median of --repeats). Error is relative MSE (mse / mean(x^2))
 and max abs error of decode(encode(x)). On CUDA the Triton kernels are timed as well and
-their achieved bandwidth (bytes read + written) is set against the device's peak.
+their achieved bandwidth (bytes read + written) is set against the device's peak, after
+`cuda_agreement` (swarmtrain.kernels.agreement) has checked them against the torch reference.
 """
 
 import os
@@ -180,8 +181,12 @@ def main() -> None:
         "cpu": {f"{s:g}M": bench_cpu(s, args.repeats if s < 16 else 1) for s in args.sizes},
     }
     if torch.cuda.is_available():
+        from swarmtrain.kernels.agreement import agreement
+
         report["device"] = torch.cuda.get_device_name(0)
         report["peak_bandwidth_GBps"] = _peak_bandwidth_GBps()
+        # a fast kernel that is wrong is no result: Triton against the reference first
+        report["cuda_agreement"] = agreement("cuda", 2**22 + 17)
         report["cuda"] = {f"{s:g}M": bench_cuda(s, 20) for s in args.sizes}
     print(json.dumps(report, indent=1))
 

@@ -278,3 +278,29 @@ def test_fp16_scales_error_feedback_matches_reference():
     torch.testing.assert_close(r_ref, g + 1e-4 - sent, rtol=0, atol=1e-3)
     step = s_ref.float().repeat_interleave(64)[:2000] / 127
     assert ((r_tri - r_ref).abs() <= step + 1e-6).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [0, 5003])
+def test_the_agreement_check_a_gpu_run_starts_with(n):
+    from swarmtrain.kernels.agreement import agreement
+
+    report = agreement("cpu", n)
+    assert report["ok"], report
+    assert {"int8", "int8_s16", "nf4", "uint4_s16", "int8_error_feedback", "nf4_decode"} <= set(report)
+    if n:
+        assert report["int8"]["scales_equal"] and report["int8"]["mismatch_fraction"] < 0.01
+
+
+def test_the_agreement_check_catches_a_wrong_kernel():
+    from swarmtrain.kernels.agreement import _compare
+
+    x = _randn(4096, torch.float32)
+    q, s = ref.quantize_int8(x, 256)
+    assert _compare(q, q, s, s)["ok"]
+    assert not _compare(q, q, s * (1 + 2**-20), s)["ok"]  # scales one ulp off
+    off = q.clone()
+    off[:100] = (off[:100].int() + 1).clamp(max=127).to(torch.int8)  # 2.4% a level apart
+    assert not _compare(off, q, s, s)["ok"]
+    off[0] = q[0] + 2 if q[0] < 120 else q[0] - 2  # two levels apart
+    assert _compare(off, q, s, s)["max_level_diff"] == 2
