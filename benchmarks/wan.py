@@ -303,6 +303,12 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=8, help="--peers swarm: optimizer steps per codec and rate"
     )
+    parser.add_argument(
+        "--microbatches-per-step",
+        type=int,
+        default=8,
+        help="--peers swarm: microbatches a step (and in flight); more shrink the pipeline's fill and drain",
+    )
     args = parser.parse_args()
     if args.role:
         return peer_main(args)

@@ -211,7 +211,8 @@ def add_speedups(rows: list[dict]) -> None:
 
 def run_all(args: argparse.Namespace, rates: list[float]) -> dict:
     """Every rate x codec run; the JSON document `wan.py --peers swarm` prints."""
-    run = SwarmRun(steps=args.steps, queue_ms=args.queue_ms)
+    m = args.microbatches_per_step
+    run = SwarmRun(steps=args.steps, queue_ms=args.queue_ms, microbatches_per_step=m, max_in_flight=m)
     measured = []
     for rate in rates:
         rows = []
