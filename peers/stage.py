@@ -362,8 +362,7 @@ class StagePeer:
         to `peer` with: the run's setting for the boundary it crosses (activations go over this
         stage's downstream boundary, gradients over its upstream one, averaging stays within the
         stage), or for 'auto' the one the link's bandwidth calls for."""
-        index = max(self.stage - 1, 0) if direction == "gradients" else self.stage
-        setting = self.manifest.compression.codec(direction, index)
+        setting = self.manifest.compression.sent_by(direction, self.stage)
         view = self.router.views.get(peer)
         bandwidth = (view.bandwidth_bytes_per_s if view else None) or self.capacity.get(
             "bandwidth_bytes_per_s"

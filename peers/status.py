@@ -232,9 +232,8 @@ def render_status(status: dict) -> Group:
             f"{m['stage_bounds']}, schedule {m['schedule']}, step {step}"
             + (f" of {m['max_steps']}" if m["max_steps"] else "")
         )
-        compression = CompressionConfig.from_dict(m["compression"]) if m.get("compression") else None
-        if compression is not None and compression.is_enabled:
-            headline.append(f"\ncompression: {compression.describe()}")
+        if m["compressed"]:
+            headline.append(f"\ncompression: {CompressionConfig.from_dict(m['compression']).describe()}")
     parts = [headline]
     if m is not None:
         parts.append(stages_table(status))

@@ -29,6 +29,7 @@ class ManifestSummary(BaseModel):
         description="Codecs per direction: one for the whole pipeline or a comma-separated list per boundary "
         "(activations, gradients) or per stage (averaging); and error_feedback."
     )
+    compressed: bool = Field(description="Whether any direction compresses anywhere.")
 
 
 class PeerView(BaseModel):

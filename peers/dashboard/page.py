@@ -128,12 +128,6 @@ const opts = {displayModeBar: false};
 const resized = new ResizeObserver(boxes => boxes.forEach(b => b.target.data && Plotly.Plots.resize(b.target)));
 document.querySelectorAll(".chart").forEach(chart => resized.observe(chart));
 
-// Whether the run compresses anything (the map then shows each stage's codecs).
-function compressed(view) {
-  const c = view.manifest && view.manifest.compression;
-  return !!c && ["activations", "gradients", "averaging"].some(d => c[d].split(",").some(x => x !== "none"));
-}
-
 function renderMap(view) {
   const map = document.getElementById("map");
   if (!view.stages.length) { map.textContent = "no manifest yet"; return; }
@@ -141,7 +135,7 @@ function renderMap(view) {
     <div class="stage ${s.num_serving ? "" : "empty"}" data-stage="${s.stage}">
       <h3>stage ${s.stage} <small>blocks ${s.blocks[0]}&ndash;${s.blocks[1] - 1} &middot;
         ${s.num_serving} serving</small></h3>
-      ${compressed(view) ? `<div class="codecs">${[["forward", "&rarr;"], ["backward", "&larr;"],
+      ${view.manifest.compressed ? `<div class="codecs">${[["forward", "&rarr;"], ["backward", "&larr;"],
         ["averaging", "&harr;"]].filter(([d]) => s.codecs[d]).map(([d, arrow]) =>
         `<span title="${d}">${arrow} ${esc(s.codecs[d])}</span>`).join(" ")}</div>` : ""}
       ${s.replicas.map(r => `<div class="replica ${esc(r.status)} ${r.missing_polls ? "stale" : ""}"

@@ -322,9 +322,9 @@ class SwarmView:
     def _stage_codecs(self, k: int) -> dict[str, str | None]:
         c, last = self.manifest.compression, self.manifest.num_stages - 1
         return {
-            "forward": c.codec("activations", k) if k < last else None,
-            "backward": c.codec("gradients", k - 1) if k > 0 else None,
-            "averaging": c.codec("averaging", k),
+            "forward": c.sent_by("activations", k) if k < last else None,
+            "backward": c.sent_by("gradients", k) if k > 0 else None,
+            "averaging": c.sent_by("averaging", k),
         }
 
     def _manifest_summary(self) -> dict | None:
@@ -343,6 +343,7 @@ class SwarmView:
             "max_steps": m.max_steps,
             "schedule": m.schedule,
             "compression": m.compression.to_dict(),
+            "compressed": m.compression.is_enabled,
         }
 
     def _series(self) -> dict:

@@ -102,6 +102,11 @@ def _quantize(
     return data, scales, {"scales": "fp16" if scales.dtype == torch.float16 else "fp32"}
 
 
+def _block_meta(codec: "Int8Codec | FourBitCodec", numel: int, scale_meta: Meta) -> Meta:
+    """What a blockwise codec's frames carry beside the payload."""
+    return {"codec": codec.name, "numel": numel, "block_size": codec.block_size, **scale_meta}
+
+
 def _split_scales(
     payload: torch.Tensor, numel: int, block_size: int, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,15 +163,12 @@ class Int8Codec:
     def __post_init__(self):
         kernels.quant_ref.check_block_size(self.block_size)
 
-    def _meta(self, numel: int, scale_meta: Meta) -> Meta:
-        return {"codec": self.name, "numel": numel, "block_size": self.block_size, **scale_meta}
-
     def encode(self, t: torch.Tensor) -> tuple[torch.Tensor, Meta]:
         q, absmax, scale_meta = _quantize(
             lambda scale_dtype: kernels.quantize_int8(t, self.block_size, scale_dtype=scale_dtype),
             self.fp16_scales,
         )
-        return torch.cat((_as_bytes(absmax), _as_bytes(q))), self._meta(t.numel(), scale_meta)
+        return torch.cat((_as_bytes(absmax), _as_bytes(q))), _block_meta(self, t.numel(), scale_meta)
 
     def encode_feedback(self, g: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, Meta]:
         """encode(g + residual) in one fused pass; residual <- g + residual - decoded, in place.
@@ -179,7 +181,7 @@ class Int8Codec:
             ),
             self.fp16_scales,
         )
-        return torch.cat((_as_bytes(absmax), _as_bytes(q))), self._meta(g.numel(), scale_meta)
+        return torch.cat((_as_bytes(absmax), _as_bytes(q))), _block_meta(self, g.numel(), scale_meta)
 
     def payload_nbytes(self, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         numel = _check_meta(meta, shape, dtype, self.name)
@@ -223,8 +225,7 @@ class FourBitCodec:
             ),
             self.fp16_scales,
         )
-        payload = torch.cat((_as_bytes(absmax), packed))
-        return payload, {"codec": self.name, "numel": t.numel(), "block_size": self.block_size, **scale_meta}
+        return torch.cat((_as_bytes(absmax), packed)), _block_meta(self, t.numel(), scale_meta)
 
     def payload_nbytes(self, meta: Meta, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         numel = _check_meta(meta, shape, dtype, self.name)

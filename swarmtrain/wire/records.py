@@ -163,6 +163,11 @@ class CompressionConfig:
         choices = self.codecs(direction)
         return choices[0] if len(choices) == 1 else choices[index]
 
+    def sent_by(self, direction: str, stage: int) -> str:
+        """The setting of what `stage` sends in `direction`: its activations cross its downstream
+        boundary (stage), its gradients its upstream one (stage - 1), its sums stay in the stage."""
+        return self.codec(direction, max(stage - 1, 0) if direction == "gradients" else stage)
+
     def check_stages(self, num_stages: int) -> None:
         """Raise ConfigError unless every per-boundary list fits a run of `num_stages` stages."""
         for name in self.DIRECTIONS:
@@ -175,12 +180,13 @@ class CompressionConfig:
                 if name == "averaging"
                 else f"{wanted} boundar{'y' if wanted == 1 else 'ies'} between its {num_stages} stages"
             )
-            raise ConfigError(
-                f"--compress-{name} names {given} codecs ({getattr(self, name)!r}), but the run has {where}: "
+            fix = (
                 f"give one codec for all of them, or {wanted} separated by commas"
                 if wanted > 1
-                else f"--compress-{name} names {given} codecs ({getattr(self, name)!r}), but the run has "
-                f"{where}: give one codec"
+                else "give one codec"
+            )
+            raise ConfigError(
+                f"--compress-{name} names {given} codecs ({getattr(self, name)!r}), but the run has {where}: {fix}"
             )
 
     @property
