@@ -1,11 +1,12 @@
 """The stage peer process: serves one pipeline stage of a run.
 
 It joins the swarm, takes a stage (the one that needs a peer most, or `--stage`), downloads
-its parameters and optimizer state from a live replica, and serves until stopped: forward
-and backward work (`stage_work`), the step commit (`stage_commit`), state downloads for
-joining replicas. Every heartbeat it announces its readiness and counters in the DHT, reads
-the replicas of the next stage (where its hops go), catches up if it fell behind, and may
-move to another stage when that raises swarm throughput (`planning.StageRebalancer`).
+its parameters and optimizer state from a live replica, and serves until stopped. What it
+serves is the protocol in `swarmtrain.train` (`service.StageService`: forward and backward
+work, the step commit, state downloads); this process wires it to a DHT node, a libp2p
+transport and a real clock. Every heartbeat it announces its readiness and counters in the
+DHT, reads the replicas of the next stage (where its hops go), catches up if it fell behind,
+and may move to another stage when that raises swarm throughput (`planning.StageRebalancer`).
 
 Networking runs on one asyncio loop; compute on one thread, in the order the run's
 schedule gives (`swarmtrain.schedule`).
@@ -25,13 +26,10 @@ import torch
 from hivemind.utils import get_dht_time
 
 import swarmtrain
-from swarmtrain.compress.policy import resolve_codec
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
 from swarmtrain.model import build_stage
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
 from swarmtrain.peers.planning import choose_stage, stage_memory_figures
-from swarmtrain.peers.stage_commit import StageCommit
-from swarmtrain.peers.stage_work import StageWork, readiness_meta
 from swarmtrain.schedule import (
     ReadinessQueue,
     ReadinessRouter,
@@ -41,9 +39,11 @@ from swarmtrain.schedule import (
 )
 from swarmtrain.schedule.runtime import ComputeScheduler
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
+from swarmtrain.train.context import StageContext
+from swarmtrain.train.service import ServeCounters, StageService
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
-from swarmtrain.wire.frames import Frame, error_frame
+from swarmtrain.wire.frames import Frame
 from swarmtrain.wire.records import MAX_BANNED_LISTED, PeerRecord, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -111,12 +111,11 @@ class StagePeer:
         self.manifest: RunManifest | None = None
         self.stage: int = -1
         self.state = "joining"
-        self.served = 0
-        self.failed = 0
+        self.counters = ServeCounters()
+        self.service: StageService | None = None
         self._since = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._in_flight = 0
         self._beat_soon: asyncio.Task | None = None
         self._resync: asyncio.Task | None = None
         self.capacity: dict = {}
@@ -127,8 +126,6 @@ class StagePeer:
         self.router: ReadinessRouter | None = None
         self._replicas: dict[int, list[str]] = {}
         self._records: list[PeerRecord] = []
-        self.work = StageWork(self)
-        self.commit = StageCommit(self)
         self._slowdown = SlowdownSource(config.slowdown, config.slowdown_file)
         self._faults = FaultInjector(config.fault)
         self.on_serving = lambda: None
@@ -181,12 +178,12 @@ class StagePeer:
         start, end = manifest.stage_span(self.stage)
         static = manifest.schedule == "static"
         self.router = RoundRobinRouter() if static else ReadinessRouter()
+        self.transport = TensorTransport(await node.p2p(), cfg.transport)
         self._take_stage(self.stage)
         if cfg.rebalance_s > 0:
             from swarmtrain.peers.planning import StageRebalancer
 
             self._rebalancer = StageRebalancer(manifest, patience=cfg.rebalance_patience)
-        self.transport = TensorTransport(await node.p2p(), cfg.transport)
         await self._sync_from_replica()
         await self._measure_links()
         await self.refresh_replicas()
@@ -244,8 +241,26 @@ class StagePeer:
             slowdown=self._slowdown.current,
             before_task=self._faults.before_task,
         )
-        self.commit.reset()
-        self.work.clear_cache()
+        self.service = StageService(
+            StageContext(
+                run_id=manifest.run_id,
+                peer_id=self.peer_id,
+                stage=stage,
+                num_stages=manifest.num_stages,
+                runner=runner,
+                scheduler=self.scheduler,
+                router=self.router,
+                transport=self.transport,
+                compression=manifest.compression,
+                replicas=lambda k: self._replicas.get(k, []),
+                refresh=self.refresh_replicas,
+                link_bandwidth=self._bandwidth_to,
+                is_draining=lambda: self.state == "draining",
+                on_behind=self.resync_soon,
+                on_applied=self.heartbeat_soon,
+            ),
+            self.counters,
+        )
 
     async def _switch_stage(self, stage: int) -> None:
         """Move to `stage`: drain, take its blocks and a live replica's state, serve again."""
@@ -266,7 +281,7 @@ class StagePeer:
         by leaving (it was exchanged with the other replicas, or the step was applied)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self._in_flight and (not self.runner.has_gradients or self.commit.exchanged):
+            if not self.service.in_flight and (not self.runner.has_gradients or self.service.commit.exchanged):
                 return
             await asyncio.sleep(0.05)
 
@@ -278,7 +293,7 @@ class StagePeer:
         except Exception as e:  # leaving anyway: the TTL will retire our record
             logger.warning("could not announce draining: %r", e)
         await self._wait_idle(self.config.drain_timeout_s)
-        logger.info("stage %d left the swarm (%d microbatches served)", self.stage, self.served)
+        logger.info("stage %d left the swarm (%d microbatches served)", self.stage, self.counters.served)
 
     def record(self) -> PeerRecord:
         device = self.config.device
@@ -293,7 +308,7 @@ class StagePeer:
             state=self.state,
             device=device,
             version=swarmtrain.__version__,
-            served=self.served,
+            served=self.counters.served,
             step=self.runner.step,
             capacity=self.capacity,
             since=self._since,
@@ -304,8 +319,8 @@ class StagePeer:
             holding=ready["holding"],
             memory_used_bytes=self._memory_used(),
             busy_s=self.scheduler.busy_s,
-            replayed=self.work.replayed,
-            failed=self.failed,
+            replayed=self.counters.replayed,
+            failed=self.counters.failed,
             banned=tuple(banned),
             bytes_sent=self.transport.bytes_sent,
             bytes_received=self.transport.bytes_received,
@@ -357,37 +372,10 @@ class StagePeer:
                 )
         self.router.forget({r.peer_id for r in self._records})
 
-    def codec_for(self, direction: str, peer: str, nbytes: int) -> str:
-        """The codec to send `nbytes` of `direction` ('activations', 'gradients', 'averaging')
-        to `peer` with: the run's setting for the boundary it crosses (activations go over this
-        stage's downstream boundary, gradients over its upstream one, averaging stays within the
-        stage), or for 'auto' the one the link's bandwidth calls for."""
-        setting = self.manifest.compression.sent_by(direction, self.stage)
+    def _bandwidth_to(self, peer: str) -> float | None:
+        """Measured bytes/s to `peer` (its link probe), else this peer's median link."""
         view = self.router.views.get(peer)
-        bandwidth = (view.bandwidth_bytes_per_s if view else None) or self.capacity.get(
-            "bandwidth_bytes_per_s"
-        )
-        return resolve_codec(setting, bandwidth, nbytes)
-
-    def choose_replica(self, stage: int, *, order: int, nbytes: int, prefer: str | None) -> str | None:
-        """A replica of `stage` for the next hop; a `prefer`red peer (named by the route the
-        frame carries) counts as a candidate even before this peer's DHT view has it."""
-        candidates = self._replicas.get(stage, [])
-        if prefer is not None and prefer not in candidates:
-            candidates = [*candidates, prefer]
-        return self.router.choose(candidates, time.monotonic(), nbytes=nbytes, order=order, prefer=prefer)
-
-    def expect_static(self, frame: Frame) -> None:
-        """Static schedule: tell the queue which microbatches of the step come here (meta 'slots':
-        'j/R' per stage, this peer being replica j of R; meta 'microbatches': M)."""
-        slots, count = str(frame.meta.get("slots", "")).split(), frame.meta.get("microbatches")
-        if len(slots) <= self.stage or not isinstance(count, int):
-            return
-        j, _, r = slots[self.stage].partition("/")
-        if not (j.isdigit() and r.isdigit() and 0 <= int(j) < int(r)):
-            raise BadFrameError(f"meta slots must be 'j/R' per stage, got {slots[self.stage]!r}")
-        orders = [n for n in range(count) if n % int(r) == int(j)]
-        self.scheduler.expect(frame.step, orders, self.manifest.num_stages - self.stage)
+        return (view.bandwidth_bytes_per_s if view else None) or self.capacity.get("bandwidth_bytes_per_s")
 
     async def _live_replicas(self, records: list[PeerRecord] | None = None) -> list[PeerRecord]:
         """Other serving replicas of this stage, furthest step first (from `records`, or a fresh read)."""
@@ -412,7 +400,7 @@ class StagePeer:
             except (RemoteError, PeerUnreachableError, BadFrameError) as e:
                 logger.warning("could not take state from replica %s: %s", replica.peer_id[-8:], e)
                 continue
-            self.commit.reset()
+            self.service.commit.reset()
             logger.info("took the state of step %d from replica %s", reply.step, replica.peer_id[-8:])
             return True
         return False
@@ -420,7 +408,7 @@ class StagePeer:
     async def _resync_if_behind(self) -> bool:
         """A replica that missed a step (it joined mid-step, or left a commit) catches up when idle."""
         runner = self.runner
-        if self._in_flight or runner.num_pending or runner.has_gradients:
+        if self.service.in_flight or runner.num_pending or runner.has_gradients:
             return False
         replicas = await self._live_replicas(self._records)  # refreshed with every heartbeat
         if replicas and replicas[0].step > runner.step:
@@ -501,65 +489,4 @@ class StagePeer:
         }
 
     async def _handle(self, frame: Frame, peer: str) -> Frame:
-        run_id = self.manifest.run_id
-        if frame.run_id != run_id:
-            self.transport.strike(peer, f"frame for run {frame.run_id!r}")
-            return error_frame(
-                run_id, f"this peer serves run {run_id!r}, not {frame.run_id!r}", retryable=False
-            )
-        if frame.kind == "ping":
-            meta = {
-                "state": self.state,
-                "served": self.served,
-                "failed": self.failed,
-                "in_flight": self._in_flight,
-            }
-            meta.update(readiness_meta(self.scheduler.readiness()))
-            return Frame(kind="pong", run_id=run_id, stage=self.stage, step=self.runner.step, meta=meta)
-        if frame.stage != self.stage:
-            valid = 0 <= frame.stage < self.manifest.num_stages  # routing may lag a move by a heartbeat
-            if not valid:
-                self.transport.strike(peer, f"frame for stage {frame.stage}")
-            return error_frame(
-                run_id,
-                f"this peer serves stage {self.stage}, not {frame.stage}",
-                retryable=valid,
-                stage=self.stage,
-            )
-        if frame.kind == "step":
-            return await self.commit.on_step(frame)
-        if frame.kind == "grads":
-            try:
-                return await self.commit.on_grads(frame, peer)
-            except BadFrameError as e:
-                self.transport.strike(peer, str(e))
-                return error_frame(run_id, f"stage {self.stage} rejected gradients: {e}", retryable=False)
-        if frame.kind == "state":
-            runner = self.runner  # the step and the state it labels are read together
-            step, state = await self.scheduler.call(lambda: (runner.step, runner.export_state()))
-            return Frame(kind="state_data", run_id=run_id, stage=self.stage, step=step, tensors=state)
-        if frame.kind != "forward":
-            return error_frame(run_id, f"stage peers do not take {frame.kind!r} frames", retryable=False)
-        if self.state == "draining":
-            return error_frame(run_id, "this peer is leaving its stage", retryable=True, stage=self.stage)
-        self._in_flight += 1
-        try:
-            reply = await self.work.on_forward(frame, peer)
-            self.served += 1
-            return reply
-        except BadFrameError as e:
-            self.failed += 1
-            self.transport.strike(peer, str(e))
-            return error_frame(
-                run_id, f"stage {self.stage} rejected microbatch {frame.mb_id}: {e}", retryable=False
-            )
-        except RemoteError as e:
-            self.failed += 1
-            return error_frame(run_id, str(e), retryable=e.retryable, mb_id=frame.mb_id, stage=self.stage)
-        except PeerUnreachableError as e:
-            self.failed += 1
-            return error_frame(
-                run_id, f"stage {self.stage + 1} unreachable: {e}", retryable=True, stage=self.stage
-            )
-        finally:
-            self._in_flight -= 1
+        return await self.service.handle(frame, peer)

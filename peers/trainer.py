@@ -2,7 +2,8 @@
 
 One optimizer step sends `microbatches_per_step` microbatches into the swarm, a window of
 them in flight at once (grown while throughput grows, halved on timeouts), then commits
-every stage so that each microbatch's gradient counts exactly once (`trainer_step.Step`).
+every stage so that each microbatch's gradient counts exactly once (the protocol is
+`swarmtrain.train.step.TrainerStep`; this process gives it a DHT view and a transport).
 Every microbatch is accounted for: completed, or dropped with a cause; replays are counted
 by cause; `Trainer.totals` keeps the counts, and each step's are in its StepResult.
 
@@ -24,7 +25,8 @@ import torch
 from hivemind.utils import get_dht_time
 
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
-from swarmtrain.peers.trainer_step import Step, StepFailedError
+from swarmtrain.train.data import loss_inputs_of
+from swarmtrain.train.step import StepFailedError, StepResult, TrainerContext, TrainerStep
 from swarmtrain.schedule import InFlightWindow, ReadinessRouter, RoundRobinRouter, WindowConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
@@ -73,36 +75,6 @@ class TrainerConfig:
             )
         if not 0 <= self.max_dropped_fraction < 1:
             raise ConfigError(f"max_dropped_fraction must be in [0, 1), got {self.max_dropped_fraction}")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    step: int
-    """Optimizer step just applied (0-based)."""
-    loss: float
-    """Mean loss over the step's microbatches."""
-    samples: int
-    tokens: int
-    seconds: float
-    replays: int
-    """Replays after failures (hops replayed by stages, resends by the trainer, repairs at commit)."""
-    dropped: int = 0
-    """Microbatches left out of the step (see dropped_causes)."""
-    completed: int = 0
-    """Microbatches whose gradients the step applied (each exactly once per stage)."""
-    replay_causes: dict = field(default_factory=dict)
-    dropped_causes: dict = field(default_factory=dict)
-    work: dict = field(default_factory=dict)
-    """Per stage: microbatches each replica (peer id) completed this step."""
-    window: int = 0
-    """Microbatches in flight at once during the step."""
-    timeouts: int = 0
-    replicas_equal: bool | None = None
-    """With verify_replicas: whether every stage's replicas hash to the same parameters."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class Trainer:
@@ -193,11 +165,11 @@ class Trainer:
             self._replicas_at = time.monotonic()
         return self._replicas
 
-    async def refresh_replicas(self, *, wait: bool) -> None:
-        """Every replica of stage 0 is banned or gone: wait a little, then look again."""
+    async def wait_for_replica(self, max_wait_s: float) -> None:
+        """Every replica of stage 0 is banned or gone: wait for the first ban to end (at most
+        `max_wait_s`, at least a moment), then look again."""
         delay = self.router.bans.next_unban(self._replicas.get(0, []), time.monotonic())
-        if wait:
-            await asyncio.sleep(min(delay or 0.25, 1.0))
+        await asyncio.sleep(min(delay or max_wait_s, max(max_wait_s, 1.0)))
         await self.replicas(refresh=True)
 
     async def _replicas_at_step(
@@ -276,7 +248,6 @@ class Trainer:
 
     def _publish(self, result: StepResult) -> None:
         """Announce the step's loss and speed under `{run}.trainers` (fire and forget)."""
-        from swarmtrain.swarm.node import trainers_key
         from swarmtrain.wire.metrics import TrainerPoint
 
         point = TrainerPoint(
@@ -290,23 +261,35 @@ class Trainer:
             dropped=self.totals["dropped"],
             window=result.window,
         )
-        self._published = self.node.dht.store(
-            trainers_key(self.manifest.run_id),
-            point.to_dict(),
-            expiration_time=get_dht_time() + 60,
-            subkey=self.node.peer_id,
-            return_future=True,
-        )
+        self._published = self.node.publish_trainer_point(self.manifest.run_id, point, ttl_s=60)
 
     # training
 
-    def train(
-        self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *, steps: int
-    ) -> Iterator[StepResult]:
+    def _context(self) -> TrainerContext:
+        cfg = self.config
+        return TrainerContext(
+            run_id=self.manifest.run_id,
+            trainer_id=self.trainer_id,
+            num_stages=self.manifest.num_stages,
+            static=self.manifest.schedule == "static",
+            router=self.router,
+            transport=self.transport,
+            replicas=self.replicas,
+            wait_for_replica=self.wait_for_replica,
+            known_step=self.known_step,
+            microbatch_timeout_s=cfg.microbatch_timeout_s,
+            max_retries=cfg.max_retries,
+            max_dropped_fraction=cfg.max_dropped_fraction,
+            verify_replicas=cfg.verify_replicas,
+            window=self.window.size,
+        )
+
+    def train(self, batches: Iterable, *, steps: int) -> Iterator[StepResult]:
         """Run `steps` optimizer steps over microbatches drawn from `batches`; yield each result.
 
-        Each item of `batches` is one microbatch (inputs, targets) with the run's microbatch
-        size. Raises StepFailedError when a step cannot complete.
+        Each item of `batches` is one microbatch with the run's microbatch size: (inputs,
+        targets), or (inputs, {name: tensor}) naming every input the run's loss takes.
+        Raises StepFailedError when a step cannot complete.
         """
         it = iter(batches)
         self._run(self._replicas_at_step())
@@ -316,10 +299,11 @@ class Trainer:
             microbatches = []
             for _ in range(m):
                 try:
-                    microbatches.append(next(it))
+                    microbatches.append(loss_inputs_of(next(it)))
                 except StopIteration:
                     return
-            result = self._run(Step(self, microbatches).run())
+            result = self._run(TrainerStep(self._context(), self.step, microbatches).run())
+            self.step = result.step + 1
             self.totals.update(completed=result.completed, replayed=result.replays, dropped=result.dropped)
             self.window.on_step(result.tokens_per_s, timeouts=result.timeouts)
             self._publish(result)

@@ -4,6 +4,8 @@ Every error a user can hit says what was wrong and what to do about it; the CLI 
 `str(error)` as one line and exits non-zero, without a traceback.
 """
 
+from enum import StrEnum
+
 
 class SwarmError(Exception):
     """Base of every error swarmtrain raises on purpose."""
@@ -21,22 +23,66 @@ class BadFrameError(SwarmError):
     """A frame on the wire is malformed, oversized, or holds a tensor we refuse to use."""
 
 
-class RemoteError(SwarmError):
-    """A peer answered a request with an error reply.
+class Cause(StrEnum):
+    """Why a peer refused or failed a request: error replies carry one, and callers decide on
+    it (replay elsewhere, drop the microbatch, fail the step) without reading message text."""
 
-    `retryable` is False when the peer judged the request itself bad (it would fail again
-    anywhere), True when the failure was the peer's own (overloaded, shutting down, a
-    downstream hop failed).
+    DRAINING = "draining"
+    """The peer is leaving its stage; another replica will do."""
+    WRONG_STEP = "wrong_step"
+    """The peer is at another optimizer step (it fell behind, or the caller did)."""
+    WRONG_STAGE = "wrong_stage"
+    """The peer serves another stage (it moved; routing lags by a heartbeat)."""
+    WRONG_RUN = "wrong_run"
+    """The request names another run."""
+    BAD_FRAME = "bad_frame"
+    """The request is malformed: it would fail on any peer."""
+    REFUSED = "refused"
+    """The model refused this microbatch (a non-finite loss or gradient): it would fail anywhere."""
+    UNREACHABLE = "unreachable"
+    """A peer further down the pipeline did not answer in time, or at all."""
+    OWN_FAILURE = "own_failure"
+    """The peer's own failure (an internal error, state it lacks); another try may succeed."""
+    BANNED = "banned"
+    """The peer bans the caller after repeated bad frames."""
+
+    @property
+    def retryable(self) -> bool:
+        """Whether another replica (or a later try) may succeed where this one failed."""
+        return self not in _FINAL
+
+
+_FINAL = frozenset({Cause.WRONG_RUN, Cause.BAD_FRAME, Cause.REFUSED, Cause.BANNED})
+
+
+class RemoteError(SwarmError):
+    """A peer answered a request with an error reply, or a protocol step failed with a cause.
+
+    `cause` says why (`Cause`). `retryable` is False when the request itself is bad (it would
+    fail again anywhere), True when the failure was the peer's own (overloaded, shutting down,
+    a downstream hop failed); it defaults to what the cause implies.
     """
 
-    def __init__(self, message: str, *, peer: str = "", retryable: bool = True):
+    def __init__(
+        self,
+        message: str,
+        *,
+        cause: Cause = Cause.OWN_FAILURE,
+        peer: str = "",
+        retryable: bool | None = None,
+    ):
         super().__init__(message)
+        self.cause = Cause(cause)
         self.peer = peer
-        self.retryable = retryable
+        self.retryable = self.cause.retryable if retryable is None else retryable
 
 
 class PeerUnreachableError(SwarmError):
-    """No answer from a peer within the call's timeout, or the connection broke."""
+    """No answer from a peer within the call's timeout (`timed_out`), or the connection broke."""
+
+    def __init__(self, message: str, *, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class RunNotFoundError(SwarmError):

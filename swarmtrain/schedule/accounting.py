@@ -13,12 +13,15 @@ buffer that has it, else from one held copy; held copies nobody needs are discar
 microbatch no live replica has is `missing` and must be replayed before the step; a stage
 whose buffers cannot be made exact (a microbatch in two buffers, or a buffer holding one
 that did not complete) must discard the step's gradients and replay it whole.
+`decide_commit` turns every stage's plan into the round's one decision: wait, abort, repair
+or exchange.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,3 +110,70 @@ class StepLedger:
     def routed_to(self, stage: int) -> set[str]:
         """Peers of `stage` that completed microbatches went through."""
         return {r[stage] for r in self.routes.values() if len(r) > stage}
+
+
+class CommitAction(StrEnum):
+    """What the trainer does next in a step's commit round (`decide_commit`)."""
+
+    WAIT = "wait"
+    """Some stage has no live replica: wait for one, then prepare again."""
+    ABORT = "abort"
+    """Some stage's buffers cannot be made exact: discard its gradients, replay, prepare again."""
+    REPAIR = "repair"
+    """Microbatches were lost with a dead replica: replay them, then prepare again."""
+    EXCHANGE = "exchange"
+    """Every stage counts every completed microbatch exactly once: exchange, then apply."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitDecision:
+    action: CommitAction
+    plans: dict[int, StageCommitPlan]
+    """Per stage with live replicas: its plan (`plan_stage_commit`)."""
+    stages: tuple[int, ...] = ()
+    """WAIT: the stages with no live replica; ABORT: the stages to discard."""
+    repairs: tuple[Repair, ...] = ()
+    """REPAIR: each microbatch to replay, in issue order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Repair:
+    """One microbatch to replay at commit time."""
+
+    mb: str
+    prefer: tuple[str | None, ...]
+    """Per stage: a live replica that holds the work already (None: any), so stages that still
+    have it are steered to it and add nothing twice."""
+    needed_by: tuple[int, ...]
+    """The stages that lack it: they must recompute it."""
+
+
+def decide_commit(
+    issued: tuple[str, ...], completed: set[str], reports: dict[int, list[ReplicaReport]]
+) -> CommitDecision:
+    """One commit round's decision from every stage's replica reports (pure).
+
+    `reports` maps each stage to the reports of its live replicas (an empty list: none
+    answered). Stages with no live replica come first (wait), then inexact buffers (abort),
+    then lost microbatches (repair); only then may the stages exchange.
+    """
+    empty = tuple(k for k, rs in sorted(reports.items()) if not rs)
+    if empty:
+        return CommitDecision(action=CommitAction.WAIT, plans={}, stages=empty)
+    plans = {k: plan_stage_commit(completed, rs) for k, rs in reports.items()}
+    conflicted = tuple(k for k, plan in sorted(plans.items()) if plan.conflicts)
+    if conflicted:
+        return CommitDecision(action=CommitAction.ABORT, plans=plans, stages=conflicted)
+    lacking = {mb for plan in plans.values() for mb in plan.missing}
+    if not lacking:
+        return CommitDecision(action=CommitAction.EXCHANGE, plans=plans)
+    stages = sorted(reports)
+    repairs = []
+    for mb in (m for m in issued if m in lacking):
+        prefer = tuple(
+            next((r.peer for r in sorted(reports[k], key=lambda r: r.peer) if mb in r.fresh or mb in r.held), None)
+            for k in stages
+        )
+        needed_by = tuple(k for k in stages if mb in plans[k].missing)
+        repairs.append(Repair(mb=mb, prefer=prefer, needed_by=needed_by))
+    return CommitDecision(action=CommitAction.REPAIR, plans=plans, repairs=tuple(repairs))

@@ -10,7 +10,7 @@ stage. `ReadinessRouter` picks the replica with the lowest expected completion t
 from the readiness every reply piggybacks, refreshed from the DHT between replies. A replica
 we have sent nothing for a while is probed with the next microbatch, so a peer that was slow
 and recovered gets its share back. `RoundRobinRouter` is the static
-baseline: replica `order mod R` in peer-id order.
+baseline: replica `order mod R` in peer-id order (`schedule.static`).
 
 Failures ban a peer with capped exponential backoff (`Bans`; hivemind's Blacklist without
 the cap, Petals' retry -> ban -> backoff). When every replica of a stage is banned the
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from swarmtrain.schedule.static import round_robin
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,8 +194,9 @@ class RoundRobinRouter(ReadinessRouter):
             return None
         if prefer in allowed:
             return prefer
+        first = round_robin(order, len(ranked))
         for i in range(len(ranked)):
-            peer = ranked[(order + i) % len(ranked)]
+            peer = ranked[(first + i) % len(ranked)]
             if peer in allowed:
                 return peer
         return None

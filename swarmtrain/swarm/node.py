@@ -288,6 +288,17 @@ class SwarmNode:
                 records.append(record)
         return sorted(records, key=lambda r: (r.stage, r.peer_id))
 
+    def publish_trainer_point(self, run_id: str, point, *, ttl_s: float):
+        """Store a trainer's latest point (`wire.metrics.TrainerPoint`) under `{run}.trainers`,
+        keyed by this peer; returns a future (fire and forget, or wait on it before leaving)."""
+        return self.dht.store(
+            trainers_key(run_id),
+            point.to_dict(),
+            expiration_time=get_dht_time() + ttl_s,
+            subkey=self.peer_id,
+            return_future=True,
+        )
+
     def trainer_points(self, run_id: str) -> list[dict]:
         """The latest point each live trainer published (raw dicts; the reader validates them)."""
         found = self.dht.get(trainers_key(run_id), latest=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from swarmtrain.errors import BadFrameError, RemoteError
+from swarmtrain.errors import BadFrameError, Cause, RemoteError
 from swarmtrain.model import StageModule
 from swarmtrain.train.optim import make_optimizer
 from swarmtrain.wire.frames import all_finite
@@ -146,7 +146,7 @@ class StageRunner:
             loss = self.module.loss(self.module(x), targets.to(self.device))
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise RemoteError(f"microbatch {mb_id} has a non-finite loss ({value})", retryable=False)
+            raise RemoteError(f"microbatch {mb_id} has a non-finite loss ({value})", cause=Cause.REFUSED)
         grad_x = self._backprop(mb_id, loss * loss_scale, None, x, replay)
         return value, grad_x
 
@@ -175,7 +175,7 @@ class StageRunner:
     @staticmethod
     def _checked(mb_id: str, grad_x: Tensor) -> Tensor:
         if not all_finite(grad_x):
-            raise RemoteError(f"microbatch {mb_id} has a non-finite input gradient", retryable=False)
+            raise RemoteError(f"microbatch {mb_id} has a non-finite input gradient", cause=Cause.REFUSED)
         return grad_x
 
     def drop(self, mb_id: str) -> None:
@@ -200,7 +200,9 @@ class StageRunner:
         copies not in `take` are discarded (another replica counts them).
         """
         if step != self.step:
-            raise RemoteError(f"this stage is at step {self.step}, not {step}", retryable=False)
+            raise RemoteError(
+                f"this stage is at step {self.step}, not {step}", cause=Cause.WRONG_STEP, retryable=False
+            )
         if self._committed != fresh:
             raise RemoteError(
                 f"this replica holds gradients of {len(self._committed)} microbatches of step {step}, "
@@ -233,7 +235,9 @@ class StageRunner:
         if step == self.step - 1 and self.steps_applied > 0 and not self.has_gradients:
             return self.step
         if step != self.step:
-            raise RemoteError(f"this stage is at step {self.step}, not {step}", retryable=False)
+            raise RemoteError(
+                f"this stage is at step {self.step}, not {step}", cause=Cause.WRONG_STEP, retryable=False
+            )
         if not self._closed:
             raise RemoteError(f"step {step} was not folded before it was applied", retryable=True)
         with torch.no_grad():

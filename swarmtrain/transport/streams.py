@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, PeerID
 
 import swarmtrain.compress  # noqa: F401  (registers the codecs frames may carry)
-from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError
+from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
 from swarmtrain.wire.frames import DEFAULT_MAX_FRAME_BYTES, Frame, error_frame, read_frame, write_frame
 
 logger = logging.getLogger(__name__)
@@ -60,10 +60,10 @@ class TransportConfig:
 class TensorTransport:
     """Serve and call frame handlers over one hivemind P2P instance (shared with the DHT)."""
 
-    def __init__(self, p2p: P2P, config: TransportConfig | None = None):
+    def __init__(self, p2p: P2P | None, config: TransportConfig | None = None, *, peer_id: str | None = None):
         self.p2p = p2p
         self.config = config or TransportConfig()
-        self.peer_id: str = p2p.peer_id.to_base58()
+        self.peer_id: str = peer_id if p2p is None else p2p.peer_id.to_base58()
         self._strikes: dict[str, int] = {}
         self._banned_until: dict[str, float] = {}
         self.bytes_sent = 0
@@ -112,7 +112,7 @@ class TensorTransport:
         if self.is_banned(peer):
             left = self._banned_until[peer] - time.monotonic()
             return error_frame(
-                "", f"this peer bans you for another {left:.0f} s after repeated bad frames", retryable=False
+                "", f"this peer bans you for another {left:.0f} s after repeated bad frames", cause=Cause.BANNED
             )
         try:
             request = await asyncio.wait_for(
@@ -120,17 +120,17 @@ class TensorTransport:
             )
         except BadFrameError as e:
             self.strike(peer, str(e))
-            return error_frame("", f"bad frame: {e}", retryable=False)
+            return error_frame("", f"bad frame: {e}", cause=Cause.BAD_FRAME)
         except asyncio.TimeoutError:
             return error_frame(
-                "", f"request did not arrive within {self.config.read_timeout_s} s", retryable=True
+                "", f"request did not arrive within {self.config.read_timeout_s} s", cause=Cause.UNREACHABLE
             )
         self.bytes_received += request.wire_nbytes
         try:
             return await handler(request, peer)
         except Exception as e:  # a bug here must cost one reply, not the caller's stream
             logger.exception("handler failed on a %s frame from %s", request.kind, peer[-8:])
-            return error_frame(request.run_id, f"internal error on this peer: {e!r}", retryable=True)
+            return error_frame(request.run_id, f"internal error on this peer: {e!r}", cause=Cause.OWN_FAILURE)
 
     def _count_sent(self, frame: Frame, wire_nbytes: int) -> None:
         self.bytes_sent += wire_nbytes
@@ -150,7 +150,9 @@ class TensorTransport:
         try:
             return await asyncio.wait_for(self._call(peer, name, request), timeout_s)
         except asyncio.TimeoutError:
-            raise PeerUnreachableError(f"peer {peer[-8:]} did not answer within {timeout_s:.1f} s") from None
+            raise PeerUnreachableError(
+                f"peer {peer[-8:]} did not answer within {timeout_s:.1f} s", timed_out=True
+            ) from None
         except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
             raise PeerUnreachableError(f"connection to peer {peer[-8:]} broke: {e!r}") from None
 
@@ -164,9 +166,16 @@ class TensorTransport:
             reply = await read_frame(reader, max_frame_bytes=self.config.max_frame_bytes)
         finally:
             writer.close()
+        return self._received(peer, reply)
+
+    def _received(self, peer: str, reply: Frame) -> Frame:
+        """Count a reply's bytes; an error reply becomes RemoteError with its cause."""
         self.bytes_received += reply.wire_nbytes
         if reply.kind == "error":
             raise RemoteError(
-                reply.error_text(), peer=peer, retryable=bool(reply.meta.get("retryable", True))
+                reply.error_text(),
+                cause=reply.error_cause(),
+                peer=peer,
+                retryable=bool(reply.meta.get("retryable", True)),
             )
         return reply

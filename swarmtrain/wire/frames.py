@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 import torch
 
-from swarmtrain.errors import BadFrameError
+from swarmtrain.errors import BadFrameError, Cause
 from swarmtrain.wire.codec import Encoded, Meta, find_codec, known_codecs
 
 MAGIC = b"STF1"
@@ -67,6 +67,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 META_VALUE_TYPES = (int, float, str, bool, type(None))
+MAX_META_LIST = 4096
+"""Longest list a meta value may be (lists hold scalars: microbatch ids, peer ids, stages)."""
 MAX_CODEC_META_ITEMS = 8
 MAX_CODEC_META_CHARS = 32
 """Longest key or string value in a codec's meta."""
@@ -76,7 +78,8 @@ MAX_DECODE_EXPANSION = 8
 
 @dataclass(kw_only=True)
 class Frame:
-    """One request or reply. `tensors` are CPU tensors; `meta` holds small scalars only."""
+    """One request or reply. `tensors` are CPU tensors; `meta` holds scalars and lists of
+    scalars only (`swarmtrain.wire.messages` gives each kind of frame its typed meta)."""
 
     kind: str
     run_id: str
@@ -97,19 +100,41 @@ class Frame:
     def error_text(self) -> str:
         return str(self.meta.get("error", "unknown error"))
 
+    def error_cause(self) -> Cause:
+        """An error frame's cause (an unknown one counts as the peer's own failure)."""
+        try:
+            return Cause(self.meta.get("cause"))
+        except ValueError:
+            return Cause.OWN_FAILURE
+
     def raw_nbytes(self) -> int:
         """Bytes of the tensors uncompressed (the wire size if nothing were compressed)."""
         return sum(t.raw_nbytes if isinstance(t, Encoded) else t.nbytes for t in self.tensors.values())
 
 
-def error_frame(run_id: str, message: str, *, retryable: bool, mb_id: str = "", stage: int = -1) -> Frame:
-    """The reply a peer sends when it refuses or fails a request."""
+def error_frame(
+    run_id: str,
+    message: str,
+    *,
+    cause: Cause,
+    retryable: bool | None = None,
+    mb_id: str = "",
+    stage: int = -1,
+) -> Frame:
+    """The reply a peer sends when it refuses or fails a request: a message for people, a
+    `cause` for the caller's decision, and whether retrying elsewhere may help (by default
+    what the cause implies)."""
+    cause = Cause(cause)
     return Frame(
         kind="error",
         run_id=run_id,
         mb_id=mb_id,
         stage=stage,
-        meta={"error": message, "retryable": retryable},
+        meta={
+            "error": message,
+            "cause": cause.value,
+            "retryable": cause.retryable if retryable is None else retryable,
+        },
     )
 
 
@@ -274,7 +299,18 @@ def parse_header(raw: bytes, payload_len: int, *, max_decoded_bytes: int | None 
     meta = header["meta"]
     _check(isinstance(meta, dict), "frame meta must be a mapping")
     for k, v in meta.items():
-        _check(isinstance(k, str) and isinstance(v, META_VALUE_TYPES), f"frame meta {k!r} must be a scalar")
+        _check(
+            isinstance(k, str)
+            and (
+                isinstance(v, META_VALUE_TYPES)
+                or (
+                    isinstance(v, list)
+                    and len(v) <= MAX_META_LIST
+                    and all(isinstance(i, META_VALUE_TYPES) for i in v)
+                )
+            ),
+            f"frame meta {k!r} must be a scalar or a list of at most {MAX_META_LIST} scalars",
+        )
     specs = header["tensors"]
     _check(
         isinstance(specs, list) and len(specs) <= MAX_TENSORS, f"a frame holds at most {MAX_TENSORS} tensors"

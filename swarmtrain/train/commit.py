@@ -1,0 +1,152 @@
+"""A stage replica's side of the step commit: prepare, exchange, apply (and abort).
+
+The trainer drives every stage's replicas through the commit together (`step.TrainerStep`):
+
+1. prepare: a replica reports which microbatches' gradients are in its buffer ("fresh")
+   and which replays it holds apart ("held"), and accepts gradients again.
+2. exchange (once every stage's microbatches are each accounted for exactly once): the
+   replica checks its buffer still holds exactly what it reported, closes the step, folds
+   in the held copies the plan gives it, and swaps its gradient sum with the other replicas
+   of its stage (`averaging`). The group's total is kept aside, not yet applied: if a replica
+   dies now, the trainer plans again and nothing is double counted.
+3. apply (only once every stage has exchanged): write the total, step the optimizer. Every
+   replica adds the same tensors in the same order, so replicas stay bit-identical; with
+   `digest` the reply carries a hash of the parameters to prove it.
+An apply that arrives twice (its reply was lost) is answered again without stepping twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from swarmtrain.compress.exchange import compress_for_exchange
+from swarmtrain.compress.feedback import ErrorFeedback
+from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
+from swarmtrain.train.averaging import GradientInbox, group_sum
+from swarmtrain.train.context import StageContext
+from swarmtrain.train.serving import ReplayCache
+from swarmtrain.wire.frames import Frame
+from swarmtrain.wire.messages import Abort, Applied, Apply, CommitRequest, Exchange, GradsMeta, Prepare, Prepared
+
+EXCHANGE_TIMEOUT_S = 30.0
+
+
+class CommitParticipant:
+    """The commit protocol of one stage replica (see the module docstring)."""
+
+    def __init__(self, ctx: StageContext, cache: ReplayCache):
+        self.ctx = ctx
+        self.cache = cache
+        """The forward server's replay cache: cleared once the step is applied or aborted."""
+        self.inbox = GradientInbox()
+        self.feedback = ErrorFeedback()
+        """Error-feedback residuals of the averaging codec, per parameter."""
+        self._total: tuple[int, list[torch.Tensor] | None] | None = None
+        """(step, the group's gradient total or None for a replica alone) once exchanged."""
+
+    def reset(self) -> None:
+        """The replica's state was replaced (taken from another replica): forget the step."""
+        self.inbox = GradientInbox()
+        self.feedback = ErrorFeedback()
+        self._total = None
+
+    @property
+    def exchanged(self) -> bool:
+        """This step's gradients are in the group's total: leaving now loses nothing."""
+        return self._total is not None and self._total[0] == self.ctx.runner.step
+
+    def _done(self, step: int, meta: dict | None = None) -> Frame:
+        ctx = self.ctx
+        return Frame(kind="step_done", run_id=ctx.run_id, stage=ctx.stage, step=step, meta=meta or {})
+
+    async def on_step(self, frame: Frame) -> Frame:
+        """Answer one commit request; RemoteError (with its cause) when this replica cannot."""
+        request = CommitRequest.parse(frame.meta)
+        runner, scheduler = self.ctx.runner, self.ctx.scheduler
+        if isinstance(request, Prepare):
+            await scheduler.call(runner.reopen)
+            self._total = None
+            fresh, held = runner.report()
+            return self._done(runner.step, Prepared(fresh=tuple(sorted(fresh)), held=tuple(sorted(held))).to_meta())
+        if isinstance(request, Abort):
+            await scheduler.call(runner.discard_step)
+            self._total = None
+            self.cache.clear()
+            return self._done(runner.step)
+        if isinstance(request, Exchange):
+            return await self._on_exchange(frame.step, request)
+        assert isinstance(request, Apply)
+        return await self._on_apply(frame.step, request)
+
+    async def _on_exchange(self, step: int, request: Exchange) -> Frame:
+        ctx = self.ctx
+        if ctx.peer_id not in request.group:
+            raise BadFrameError("an exchange must name a group with this replica in it")
+        self._total = None
+        await ctx.scheduler.call(lambda: ctx.runner.fold(step, fresh=set(request.fresh), take=list(request.take)))
+        others = [q for q in request.group if q != ctx.peer_id]
+        total = await self._exchange(step, request.attempt, others) if others else None
+        self._total = (step, total)
+        return self._done(ctx.runner.step)
+
+    async def _on_apply(self, step: int, request: Apply) -> Frame:
+        ctx = self.ctx
+        runner = ctx.runner
+        if runner.step == step + 1 and not runner.has_gradients:
+            pass  # applied already; only the reply was lost
+        elif self._total is None or self._total[0] != step:
+            raise RemoteError(
+                f"step {step} was not exchanged on this replica", cause=Cause.OWN_FAILURE, retryable=False
+            )
+        else:
+            total = self._total[1]
+            await ctx.scheduler.call(lambda: runner.apply_step(step, total, grad_scale=request.grad_scale))
+            self._total = None
+            self.cache.clear()
+            ctx.on_applied()
+        digest = await ctx.scheduler.call(runner.param_digest) if request.digest else None
+        return self._done(runner.step, Applied(digest=digest).to_meta())
+
+    async def _exchange(self, step: int, attempt: int, others: list[str]) -> list[torch.Tensor]:
+        """Send this replica's gradient sum to `others`, take theirs; returns the group's total."""
+        ctx = self.ctx
+        grads = ctx.runner.grads()
+        codec = ctx.codec_for("averaging", others[0], sum(g.nbytes for g in grads))
+        feedback = self.feedback if ctx.compression.error_feedback else None
+        # Every replica adds, for itself too, what the others decode from its frame: the sums
+        # stay bit-identical whatever the codec (swarmtrain.compress.exchange).
+        sent, local = await ctx.scheduler.call(lambda: compress_for_exchange(grads, codec, feedback))
+        frame = Frame(
+            kind="grads",
+            run_id=ctx.run_id,
+            stage=ctx.stage,
+            step=step,
+            tensors=sent,
+            meta=GradsMeta(attempt=attempt).to_meta(),
+        )
+        sends = [ctx.transport.call(q, ctx.handler, frame, timeout_s=EXCHANGE_TIMEOUT_S) for q in others]
+        results = await asyncio.gather(
+            *sends, self.inbox.take((step, attempt), others, EXCHANGE_TIMEOUT_S), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, (RemoteError, PeerUnreachableError, BadFrameError)):
+                raise RemoteError(f"gradient exchange failed: {result}", cause=Cause.UNREACHABLE)
+            if isinstance(result, BaseException):
+                raise result
+        return group_sum(ctx.peer_id, local, results[-1])
+
+    async def on_grads(self, frame: Frame, sender: str) -> Frame:
+        """Take another replica's gradient sum for the exchange in progress."""
+        ctx = self.ctx
+        meta = GradsMeta.from_meta(frame.meta)
+        if frame.step != ctx.runner.step:
+            raise RemoteError(
+                f"stage {ctx.stage} is at step {ctx.runner.step}, not {frame.step}", cause=Cause.WRONG_STEP
+            )
+        grads = [frame.tensors.get(str(i)) for i in range(len(frame.tensors))]
+        if any(g is None for g in grads):
+            raise BadFrameError("a grads frame names its tensors 0..N-1")
+        await self.inbox.put((frame.step, meta.attempt), sender, grads, ctx.runner.grads())
+        return Frame(kind="result", run_id=ctx.run_id, stage=ctx.stage, step=frame.step)

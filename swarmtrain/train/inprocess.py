@@ -1,0 +1,183 @@
+"""A whole swarm in one process: real stages, the real protocol, an in-memory network.
+
+`InProcessSwarm` builds every replica of every stage of a run as the stage peers do (the
+stage module from the run seed, a `StageRunner`, a `ComputeScheduler` thread, a router) and
+serves each with `service.StageService` over a `transport.memory.MemoryNetwork`; a trainer
+drives steps with `step.TrainerStep`. Membership is exact (no DHT): a killed replica is out
+of every view at once. Faults are the network's (`swarm.network`: lost replies, delays,
+duplicates, held frames, kills) plus `kill_on_task`, which kills a replica as its N-th task
+of a kind starts, the way `swarmtrain join --fault` does in a real swarm.
+
+It runs on the caller's event loop: `async with InProcessSwarm(...) as swarm: await swarm.step(...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from swarmtrain.errors import ConfigError
+from swarmtrain.model import build_stage
+from swarmtrain.schedule import ReadinessQueue, ReadinessRouter, RoundRobinRouter, StaticQueue, Task
+from swarmtrain.schedule.runtime import ComputeScheduler
+from swarmtrain.train.context import StageContext
+from swarmtrain.train.service import StageService
+from swarmtrain.train.stage_runner import StageRunner
+from swarmtrain.train.step import Microbatch, StepResult, TrainerContext, TrainerStep
+from swarmtrain.transport.memory import MemoryNetwork
+from swarmtrain.wire.records import RunManifest
+
+IN_FLIGHT_BUDGET = 8
+"""Activations a replica may hold at once (a real peer derives this from its free memory)."""
+
+
+class ReplicaKilled(RuntimeError):
+    """Raised on a replica's compute thread as it dies (`kill_on_task`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InProcessConfig:
+    """An in-process swarm: the run, its replicas, and the trainer's patience."""
+
+    manifest: RunManifest
+    replicas: tuple[int, ...]
+    """Replicas per stage."""
+    slowdowns: dict[str, float] = field(default_factory=dict)
+    """Replica name ('s{stage}r{index}') -> compute takes this many times longer."""
+    microbatch_timeout_s: float = 10.0
+    max_retries: int = 6
+    max_dropped_fraction: float = 0.0
+    verify_replicas: bool = True
+    window: int = 4
+
+    def __post_init__(self):
+        if len(self.replicas) != self.manifest.num_stages or min(self.replicas) < 1:
+            raise ConfigError(
+                f"replicas {list(self.replicas)} must give each of the run's {self.manifest.num_stages} stages at least one"
+            )
+
+
+@dataclass(kw_only=True)
+class Replica:
+    name: str
+    """'s{stage}r{index}': also its peer id on the in-memory network."""
+    stage: int
+    runner: StageRunner
+    scheduler: ComputeScheduler
+    service: StageService
+    tasks: dict[str, int] = field(default_factory=dict)
+    """Tasks started, by kind."""
+
+
+class InProcessSwarm:
+    """See the module docstring."""
+
+    def __init__(self, config: InProcessConfig):
+        self.config = config
+        self.manifest = m = config.manifest
+        self.network = MemoryNetwork()
+        self.replicas: dict[str, Replica] = {}
+        self.dead: set[str] = set()
+        self.trainer_step = 0
+        self.known_step: dict[str, int] = {}
+        self._kills: dict[tuple[str, str], int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        static = m.schedule == "static"
+        self.router = RoundRobinRouter() if static else ReadinessRouter()
+        self.trainer = self.network.transport("trainer")
+        for k, count in enumerate(config.replicas):
+            for j in range(count):
+                self._add(k, f"s{k}r{j}")
+
+    def _add(self, stage: int, name: str) -> None:
+        m = self.manifest
+        start, end = m.stage_span(stage)
+        module = build_stage(m.model, m.model_config, start, end, num_blocks=m.num_blocks, seed=m.seed)
+        runner = StageRunner(module, m.optimizer, microbatch_size=m.batch.microbatch_size)
+        slowdown = self.config.slowdowns.get(name, 1.0)
+        scheduler = ComputeScheduler(
+            StaticQueue() if m.schedule == "static" else ReadinessQueue(IN_FLIGHT_BUDGET),
+            holding=lambda: runner.num_pending,
+            fused_last=stage == m.num_stages - 1,
+            slowdown=lambda: slowdown,
+            before_task=lambda task: self._before_task(name, task),
+        )
+        transport = self.network.transport(name)
+        ctx = StageContext(
+            run_id=m.run_id,
+            peer_id=name,
+            stage=stage,
+            num_stages=m.num_stages,
+            runner=runner,
+            scheduler=scheduler,
+            router=RoundRobinRouter() if m.schedule == "static" else ReadinessRouter(),
+            transport=transport,
+            compression=m.compression,
+            replicas=lambda k: [p for p in self.live(k) if p != name],
+            refresh=asyncio.sleep,
+        )
+        service = StageService(ctx)
+        self.replicas[name] = Replica(name=name, stage=stage, runner=runner, scheduler=scheduler, service=service)
+
+    def live(self, stage: int) -> list[str]:
+        """The replicas of `stage` still alive."""
+        return sorted(n for n, r in self.replicas.items() if r.stage == stage and n not in self.dead)
+
+    # faults
+
+    def kill(self, name: str) -> None:
+        """The replica dies: out of every view, its calls broken, its compute stopped."""
+        self.dead.add(name)
+        self.network.kill(name)
+        self.replicas[name].scheduler.close()
+
+    def kill_on_task(self, name: str, kind: str, n: int) -> None:
+        """Kill replica `name` as its `n`-th task of `kind` ('forward', 'backward', 'loss') starts."""
+        self._kills[(name, kind)] = n
+
+    def _before_task(self, name: str, task: Task) -> None:
+        replica = self.replicas[name]
+        replica.tasks[task.kind] = count = replica.tasks.get(task.kind, 0) + 1
+        if self._kills.get((name, task.kind)) == count:
+            self._loop.call_soon_threadsafe(self.kill, name)
+            raise ReplicaKilled(f"{name} was killed as its {task.kind} task {count} started")
+
+    # running
+
+    async def __aenter__(self) -> InProcessSwarm:
+        self._loop = asyncio.get_running_loop()
+        for name, replica in self.replicas.items():
+            await replica.service.ctx.transport.serve(replica.service.ctx.handler, replica.service.handle)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for replica in self.replicas.values():
+            replica.scheduler.close()
+
+    async def _trainer_replicas(self, *, refresh: bool = False, wait_for_all: bool = False) -> dict[int, list[str]]:
+        return {k: self.live(k) for k in range(self.manifest.num_stages)}
+
+    def trainer_context(self) -> TrainerContext:
+        cfg = self.config
+        return TrainerContext(
+            run_id=self.manifest.run_id,
+            trainer_id="trainer",
+            num_stages=self.manifest.num_stages,
+            static=self.manifest.schedule == "static",
+            router=self.router,
+            transport=self.trainer,
+            replicas=self._trainer_replicas,
+            wait_for_replica=asyncio.sleep,
+            known_step=self.known_step,
+            microbatch_timeout_s=cfg.microbatch_timeout_s,
+            max_retries=cfg.max_retries,
+            max_dropped_fraction=cfg.max_dropped_fraction,
+            verify_replicas=cfg.verify_replicas,
+            window=cfg.window,
+        )
+
+    async def step(self, microbatches: list[Microbatch]) -> StepResult:
+        """One optimizer step over `microbatches` (inputs, named loss inputs)."""
+        result = await TrainerStep(self.trainer_context(), self.trainer_step, microbatches).run()
+        self.trainer_step = result.step + 1
+        return result

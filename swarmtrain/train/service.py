@@ -1,0 +1,110 @@
+"""A stage replica's request handler: every frame kind it serves, and every refusal as a cause.
+
+`StageService.handle(frame, caller)` is what the transport calls for each request:
+- 'ping' -> 'pong' (state, counters, readiness);
+- 'forward' -> 'result' (`serving.ForwardServer`), refused while the replica drains;
+- 'step' -> 'step_done' (`commit.CommitParticipant`), 'grads' -> 'result' (the exchange);
+- 'state' -> 'state_data': parameters and optimizer state, for a joining or lagging replica.
+A frame for another run or a stage that does not exist strikes the caller; a malformed
+request is refused as BAD_FRAME and strikes it; a failure of this replica or of the pipeline
+after it is answered with its cause, so the caller can replay elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
+from swarmtrain.train.commit import CommitParticipant
+from swarmtrain.train.context import StageContext
+from swarmtrain.train.serving import ForwardServer
+from swarmtrain.wire.frames import Frame, error_frame
+from swarmtrain.wire.messages import PongMeta, Readiness
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeCounters:
+    """What a replica did, over its life (it may serve several stages in turn)."""
+
+    served: int = 0
+    """Microbatches answered."""
+    failed: int = 0
+    """Microbatches refused or failed."""
+    replayed: int = 0
+    """Hops replayed to another replica downstream."""
+
+
+class StageService:
+    """Dispatch one stage replica's requests (see the module docstring)."""
+
+    def __init__(self, ctx: StageContext, counters: ServeCounters | None = None):
+        self.ctx = ctx
+        self.counters = counters or ServeCounters()
+        self.forward = ForwardServer(ctx, self.counters)
+        self.commit = CommitParticipant(ctx, self.forward.cache)
+        self.in_flight = 0
+
+    def _error(self, message: str, cause: Cause, **kw) -> Frame:
+        return error_frame(self.ctx.run_id, message, cause=cause, stage=self.ctx.stage, **kw)
+
+    async def handle(self, frame: Frame, caller: str) -> Frame:
+        ctx = self.ctx
+        if frame.run_id != ctx.run_id:
+            ctx.transport.strike(caller, f"frame for run {frame.run_id!r}")
+            return self._error(f"this peer serves run {ctx.run_id!r}, not {frame.run_id!r}", Cause.WRONG_RUN)
+        if frame.kind == "ping":
+            ready = Readiness.of(ctx.scheduler.readiness())
+            pong = PongMeta(
+                state="draining" if ctx.is_draining() else "serving",
+                served=self.counters.served,
+                failed=self.counters.failed,
+                in_flight=self.in_flight,
+                **ready.to_meta(),
+            )
+            return Frame(kind="pong", run_id=ctx.run_id, stage=ctx.stage, step=ctx.runner.step, meta=pong.to_meta())
+        if frame.stage != ctx.stage:
+            exists = 0 <= frame.stage < ctx.num_stages  # routing may lag a move by a heartbeat
+            if not exists:
+                ctx.transport.strike(caller, f"frame for stage {frame.stage}")
+            return self._error(
+                f"this peer serves stage {ctx.stage}, not {frame.stage}",
+                Cause.WRONG_STAGE if exists else Cause.BAD_FRAME,
+            )
+        try:
+            if frame.kind == "forward":
+                return await self._forward(frame, caller)
+            if frame.kind == "step":
+                return await self.commit.on_step(frame)
+            if frame.kind == "grads":
+                return await self.commit.on_grads(frame, caller)
+            if frame.kind == "state":
+                runner = ctx.runner  # the step and the state it labels are read together
+                step, state = await ctx.scheduler.call(lambda: (runner.step, runner.export_state()))
+                return Frame(kind="state_data", run_id=ctx.run_id, stage=ctx.stage, step=step, tensors=state)
+        except BadFrameError as e:
+            ctx.transport.strike(caller, str(e))
+            what = f"microbatch {frame.mb_id}" if frame.kind == "forward" else f"a {frame.kind!r} frame"
+            return self._error(f"stage {ctx.stage} rejected {what}: {e}", Cause.BAD_FRAME, mb_id=frame.mb_id)
+        except RemoteError as e:
+            message = str(e) if frame.kind == "forward" else f"stage {ctx.stage}: {e}"
+            return self._error(message, e.cause, retryable=e.retryable, mb_id=frame.mb_id)
+        except PeerUnreachableError as e:
+            return self._error(f"stage {ctx.stage + 1} unreachable: {e}", Cause.UNREACHABLE, mb_id=frame.mb_id)
+        return self._error(f"stage peers do not take {frame.kind!r} frames", Cause.BAD_FRAME)
+
+    async def _forward(self, frame: Frame, caller: str) -> Frame:
+        if self.ctx.is_draining():
+            raise RemoteError("this peer is leaving its stage", cause=Cause.DRAINING)
+        self.in_flight += 1
+        try:
+            reply = await self.forward.on_forward(frame, caller)
+            self.counters.served += 1
+            return reply
+        except BaseException:
+            self.counters.failed += 1
+            raise
+        finally:
+            self.in_flight -= 1

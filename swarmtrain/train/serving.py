@@ -1,0 +1,247 @@
+"""Serving a forward: compute in ready-queue order, hop on by readiness, answer with the gradient.
+
+A forward request carries a microbatch: its input `x` and its named loss inputs (targets,
+and whatever else the run's loss takes), which travel unchanged to the last stage. The stage
+queues its forward on the compute thread (`schedule.runtime`), sends the output on to the
+replica of the next stage it expects to finish soonest (`hop.Hop`: a failed hop is banned
+and replayed to another replica from the output this stage still holds), and waits for that
+call's reply: the gradient of its output. It queues the backward and answers upstream with
+the gradient of its input. The last stage runs forward, loss and backward as one task.
+
+A replay (`ForwardMeta.replay`) is marked, so replicas keep its parameter gradient apart
+until the commit decides which copy counts (`schedule.accounting`). Each stage also keeps,
+until the step commits, the input gradient it returned for each microbatch and the input it
+came from (`ReplayCache`): when an upstream replica dies mid-backward and the microbatch is
+replayed to a sibling, an identical input is answered from the cache, so the backward is
+replayed from the nearest peer that still holds its input instead of recomputing the rest of
+the pipeline. A commit's repair names the stages that lost the work (`needed_by`): from
+those on, stages recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from swarmtrain.errors import BadFrameError, Cause, RemoteError
+from swarmtrain.schedule import Task
+from swarmtrain.schedule.static import expected_orders
+from swarmtrain.train.context import StageContext
+from swarmtrain.train.hop import Hop, HopContext, HopFailedError, HopFailure
+from swarmtrain.wire.frames import Frame
+from swarmtrain.wire.messages import ForwardMeta, Readiness, ResultMeta
+
+logger = logging.getLogger(__name__)
+
+HOP_MARGIN_S = 0.5
+"""Time a stage keeps for itself when it passes the remaining budget downstream."""
+INPUT = "x"
+"""The tensor name of a stage's input; every other tensor of a forward is a loss input."""
+
+
+@dataclass
+class _Answered:
+    x: torch.Tensor
+    result: ResultMeta
+    grad: torch.Tensor | None
+
+
+class ReplayCounter(Protocol):
+    replayed: int
+
+
+class ReplayCache:
+    """The answers a stage gave during the current step, by microbatch (see the module docstring)."""
+
+    def __init__(self):
+        self._answers: dict[str, _Answered] = {}
+        self._step = -1
+        self.hits = 0
+
+    def clear(self) -> None:
+        self._answers.clear()
+
+    def at_step(self, step: int) -> None:
+        if step != self._step:
+            self._answers.clear()
+            self._step = step
+
+    def get(self, mb: str, x: torch.Tensor) -> _Answered | None:
+        """The answer kept for `mb`, if it came from an identical input."""
+        kept = self._answers.get(mb)
+        if kept is not None and kept.x.shape == x.shape and torch.equal(kept.x, x):
+            self.hits += 1
+            return kept
+        return None
+
+    def put(self, mb: str, x: torch.Tensor, result: ResultMeta, grad: torch.Tensor | None) -> None:
+        self._answers[mb] = _Answered(x=x, result=result, grad=grad)
+
+
+def split_tensors(frame: Frame) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A forward frame's input and named loss inputs; BadFrameError without an input."""
+    x = frame.tensors.get(INPUT)
+    if x is None:
+        raise BadFrameError(f"a forward frame needs its input tensor {INPUT!r}")
+    return x, {k: v for k, v in frame.tensors.items() if k != INPUT}
+
+
+class ForwardServer:
+    """Serves forward requests for one stage replica (see the module docstring)."""
+
+    def __init__(self, ctx: StageContext, counters: ReplayCounter | None = None):
+        self.ctx = ctx
+        self.cache = ReplayCache()
+        self.counters = counters
+        """Counts the hops this stage replays to another replica downstream (`replayed`)."""
+        self._hops = HopContext(
+            router=ctx.router,
+            transport=ctx.transport,
+            handler=ctx.handler,
+            candidates=self._next_replicas,
+            wait_for_replica=ctx.refresh,
+        )
+
+    async def _next_replicas(self) -> list[str]:
+        return self.ctx.replicas(self.ctx.stage + 1)
+
+    async def on_forward(self, frame: Frame, caller: str) -> Frame:
+        """Serve one microbatch; the reply carries the loss, the route and the input gradient.
+
+        Raises BadFrameError for a malformed request, RemoteError (with its cause) when this
+        stage cannot serve it now or the pipeline after it failed.
+        """
+        ctx = self.ctx
+        started = time.monotonic()
+        meta = ForwardMeta.from_meta(frame.meta)
+        x, loss_inputs = split_tensors(frame)
+        ctx.runner.check_inputs(x, loss_inputs)
+        self._check_step(frame.step)
+        self.cache.at_step(frame.step)
+        if meta.slots:
+            orders = expected_orders(meta.slots[ctx.stage], meta.slot_counts[ctx.stage], meta.microbatches)
+            ctx.scheduler.expect(frame.step, orders, ctx.num_stages - ctx.stage)
+        # The cache may answer only when no stage from here on lacks the work.
+        usable = meta.replay and all(k < ctx.stage for k in meta.needed_by)
+        kept = self.cache.get(frame.mb_id, x) if usable else None
+        if kept is not None:
+            result, grad_x = replace(kept.result, replays=0), kept.grad
+        else:
+            deadline = started + meta.budget_s
+            try:
+                result, grad_x = await self._compute(frame, meta, x, loss_inputs, deadline)
+            except (RuntimeError, IndexError, ValueError) as e:  # the model refused this input
+                raise BadFrameError(f"forward/backward failed on this input: {e}") from None
+            self.cache.put(frame.mb_id, x, result, grad_x)
+        tensors, codecs = {}, {}
+        if grad_x is not None:
+            tensors["grad"] = grad_x
+            codec = ctx.codec_for("gradients", caller, grad_x.nbytes)
+            if codec != "none":
+                codecs["grad"] = codec
+        ready = Readiness.of(ctx.scheduler.readiness())
+        reply = replace(
+            result,
+            service_s=time.monotonic() - started,
+            r_backlog=ready.r_backlog,
+            r_service=ready.r_service,
+            r_queue=ready.r_queue,
+        )
+        return Frame(
+            kind="result",
+            run_id=ctx.run_id,
+            mb_id=frame.mb_id,
+            stage=ctx.stage,
+            step=frame.step,
+            tensors=tensors,
+            codecs=codecs,
+            meta=reply.to_meta(),
+        )
+
+    def _check_step(self, step: int) -> None:
+        runner = self.ctx.runner
+        if step == runner.step:
+            return
+        if runner.from_seed and runner.num_pending == 0 and not runner.has_gradients:
+            runner.step = step  # a stage nobody served starts from the seed at the run's step
+            return
+        if step > runner.step:
+            self.ctx.on_behind()
+        raise RemoteError(f"stage {self.ctx.stage} is at step {runner.step}, not {step}", cause=Cause.WRONG_STEP)
+
+    async def _compute(
+        self, frame: Frame, meta: ForwardMeta, x, loss_inputs: dict, deadline: float
+    ) -> tuple[ResultMeta, torch.Tensor | None]:
+        """(the result from here on, the input gradient) for one microbatch."""
+        ctx, mb = self.ctx, frame.mb_id
+        runner, sched = ctx.runner, ctx.scheduler
+
+        def task(kind: str) -> Task:
+            return Task(kind=kind, mb_id=mb, step=frame.step, order=meta.order)
+
+        if ctx.is_last:
+            fn = partial(runner.forward_loss_backward, replay=meta.replay)
+            loss, grad_x = await sched.run(task("loss"), fn, mb, x, loss_inputs, meta.loss_scale)
+            return ResultMeta(loss=loss, route=(ctx.peer_id,)), grad_x
+        out = await sched.run(task("forward"), runner.forward, mb, x)
+        try:
+            hop = await self._hop(frame, meta, out, loss_inputs, deadline)
+            fn = partial(runner.backward, replay=meta.replay)
+            grad_x = await sched.run(task("backward"), fn, mb, hop.reply.tensors["grad"])
+        finally:
+            runner.drop(mb)
+            sched.wake()
+        downstream = hop.result
+        result = ResultMeta(
+            loss=downstream.loss,
+            route=(ctx.peer_id, *downstream.route),
+            replays=len(hop.failures) + downstream.replays,
+        )
+        return result, grad_x
+
+    async def _hop(self, frame: Frame, meta: ForwardMeta, out: torch.Tensor, loss_inputs: dict, deadline: float):
+        """Send the output on to a replica of the next stage (see `hop.Hop`)."""
+        ctx, nxt = self.ctx, self.ctx.stage + 1
+
+        def build(target: str, replay: bool, budget_s: float) -> Frame:
+            codec = ctx.codec_for("activations", target, out.nbytes)
+            forward = replace(meta, budget_s=budget_s, replay=replay)
+            return Frame(
+                kind="forward",
+                run_id=frame.run_id,
+                mb_id=frame.mb_id,
+                stage=nxt,
+                step=frame.step,
+                tensors={INPUT: out, **loss_inputs},
+                codecs={} if codec == "none" else {INPUT: codec},
+                meta=forward.to_meta(),
+            )
+
+        def replayed(failure: HopFailure) -> None:
+            if self.counters is not None:
+                self.counters.replayed += 1
+            logger.info("replaying microbatch %s to another replica of stage %d: %s", frame.mb_id, nxt, failure)
+
+        hop = Hop(
+            build=build,
+            deadline=deadline - HOP_MARGIN_S,
+            timeout_s=deadline - HOP_MARGIN_S - time.monotonic(),
+            order=meta.order,
+            nbytes=out.nbytes,
+            prefer=meta.preferred(nxt),
+            replay=meta.replay,
+            route_len=ctx.num_stages - nxt,
+            expect_grad=True,
+            on_failure=replayed,
+        )
+        try:
+            return await hop.send(self._hops)
+        except HopFailedError as e:
+            raise RemoteError(
+                f"stage {nxt} did not complete microbatch {frame.mb_id} in time ({e})", cause=Cause.UNREACHABLE
+            ) from None
