@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmtrain.compress import codec_names, encode_tensor, get_codec, roundtrip  # registers the codecs
-from swarmtrain.errors import BadFrameError
+from swarmtrain.errors import BadFrameError, Cause
 from swarmtrain.wire import frames
 from swarmtrain.wire.codec import Encoded, known_codecs
 from swarmtrain.wire.frames import (
@@ -168,11 +168,25 @@ def test_frame_without_tensors_and_error_frames():
     assert_same_frame(ping, got)
     assert (got.mb_id, got.stage, got.step) == ("", -1, -1)
 
-    err = error_frame("r", "stage 1 is draining", retryable=True, mb_id="t:0:0", stage=1)
+    err = error_frame("r", "stage 1 is draining", cause=Cause.DRAINING, mb_id="t:0:0", stage=1)
     got = read_bytes(encoded(err))
     assert got.kind == "error" and got.error_text() == "stage 1 is draining"
+    assert got.error_cause() == Cause.DRAINING
     assert got.meta["retryable"] is True and (got.mb_id, got.stage) == ("t:0:0", 1)
     assert Frame(kind="error", run_id="r").error_text() == "unknown error"
+    # The cause decides retryability unless the sender says otherwise; an unknown cause is the
+    # peer's own failure.
+    refused = read_bytes(encoded(error_frame("r", "NaN loss", cause=Cause.REFUSED)))
+    assert refused.meta["retryable"] is False and refused.error_cause() == Cause.REFUSED
+    forced = read_bytes(encoded(error_frame("r", "x", cause=Cause.WRONG_STEP, retryable=False)))
+    assert forced.meta["retryable"] is False
+    odd = Frame(kind="error", run_id="r", meta={"error": "?", "cause": "gremlins"})
+    assert odd.error_cause() == Cause.OWN_FAILURE
+
+
+def test_meta_lists_of_scalars_round_trip():
+    frame = Frame(kind="step", run_id="r", meta={"fresh": ["t:0:1", "t:0:2"], "needed_by": [1, 2], "empty": []})
+    assert read_bytes(encoded(frame)).meta == frame.meta
 
 
 def test_frames_back_to_back_on_one_stream_and_write_frame():
@@ -328,7 +342,8 @@ def test_header_fields_missing_or_extra():
         ({"stage": "1"}, "frame stage must be an int"),
         ({"step": True}, "frame step must be an int"),
         ({"meta": [1]}, "frame meta must be a mapping"),
-        ({"meta": {"route": ["a", "b"]}}, "frame meta 'route' must be a scalar"),
+        ({"meta": {"route": [["a"], "b"]}}, "frame meta 'route' must be a scalar or a list of at most"),
+        ({"meta": {"ids": ["a"] * (frames.MAX_META_LIST + 1)}}, "frame meta 'ids' must be a scalar or a list"),
         ({"meta": {"cfg": {"a": 1}}}, "frame meta 'cfg' must be a scalar"),
         ({"tensors": {"x": 1}}, "at most .* tensors"),
     ],

@@ -270,6 +270,12 @@ class CommitRequest(Message):
     def to_meta(self) -> dict[str, Any]:
         return {"phase": self.PHASE.value, **super().to_meta()}
 
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], *, ignore: frozenset[str] = frozenset()):
+        if isinstance(meta, dict) and meta.get("phase") != cls.PHASE.value:
+            raise BadFrameError(f"{cls.WHAT} meta must have phase {cls.PHASE.value!r}, got {meta.get('phase')!r}")
+        return super().from_meta(meta, ignore=ignore | {"phase"})
+
     @staticmethod
     def parse(meta: dict[str, Any]) -> CommitRequest:
         """The typed request of a 'step' frame's meta; BadFrameError for an unknown phase."""
@@ -277,7 +283,7 @@ class CommitRequest(Message):
         kinds = {k.PHASE.value: k for k in (Prepare, Exchange, Apply, Abort)}
         if phase not in kinds:
             raise BadFrameError(f"unknown commit phase {phase!r} (known: {', '.join(kinds)})")
-        return kinds[phase].from_meta(meta, ignore=frozenset({"phase"}))
+        return kinds[phase].from_meta(meta)
 
 
 @dataclass(frozen=True, kw_only=True)
