@@ -1,11 +1,11 @@
-"""From a model and measured peers to a plan: the bridge between the cost model (torch) and
-the pure planner in `swarmtrain.plan`."""
+"""From a model and measured peers to a plan: the bridge between tracing a model's costs
+(`swarmtrain.model.tracing`, torch) and the pure planner in `swarmtrain.plan`."""
 
 from __future__ import annotations
 
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
-from swarmtrain.model.costs import block_costs
+from swarmtrain.model.tracing import block_costs
 from swarmtrain.plan import BlockCost, PeerCapacity, Plan, PlanConfig, plan_swarm
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
@@ -16,11 +16,12 @@ LOOPBACK_BYTES_PER_S = 500 * 2**20
 def planner_costs(
     model: str, model_config: dict, *, microbatch_size: int, optimizer: str = "adamw"
 ) -> list[BlockCost]:
-    """Per-block costs as the planner wants them (its param_bytes counts weights and gradients)."""
+    """Per-block costs of the traced model, as the planner's `BlockCost`s."""
     return [
         BlockCost(
             flops_per_token=r.flops_per_token,
-            param_bytes=r.param_bytes + r.grad_bytes,
+            weight_bytes=r.weight_bytes,
+            grad_bytes=r.grad_bytes,
             optimizer_bytes=r.optimizer_bytes,
             activation_bytes_per_token=r.activation_bytes_per_token,
             boundary_bytes_per_token=r.boundary_bytes_per_token,

@@ -1,13 +1,13 @@
 """Planning (pure): peer roles, stage boundaries and replicas from block costs and peer capacities.
 
-- `costs`: `BlockCost`, `PeerCapacity`, `PlanConfig` and the throughput/memory model
+- `cost_model`: `BlockCost`, `PeerCapacity`, `PlanConfig` and the throughput/memory model
 - `planner`: `plan_swarm`, the `even_split_plan` baseline, `evaluate`, `join_stage`
 - `rebalance`: `best_move`, `should_move` and the `Rebalancer` hysteresis
 
 Plain data in, plain data out: no I/O and no torch, so the simulator and the peers run the same code.
 """
 
-from swarmtrain.plan.costs import (
+from swarmtrain.plan.cost_model import (
     BlockCost,
     CostModel,
     PeerCapacity,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.plan.costs import BlockCost, CostModel, PeerCapacity, PlanConfig, usable_memory
+from swarmtrain.plan.cost_model import BlockCost, CostModel, PeerCapacity, PlanConfig, usable_memory
 from swarmtrain.plan.search import TRAINER, Problem
 from swarmtrain.plan.starts import (
     all_bounds,

@@ -11,7 +11,7 @@ import itertools
 
 import numpy as np
 
-from swarmtrain.plan.costs import CostModel
+from swarmtrain.plan.cost_model import CostModel
 from swarmtrain.plan.search import TRAINER, Problem
 
 
