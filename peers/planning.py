@@ -199,9 +199,3 @@ def stage_memory_figures(manifest: RunManifest) -> list[tuple[int, int]]:
             )
         )
     return out
-
-
-def stage_memory_bytes(manifest: RunManifest) -> list[int]:
-    """Estimated memory one replica of each stage needs: weights, gradients, optimizer state,
-    and the activations of the microbatches it may hold in flight."""
-    return [state + manifest.batch.max_in_flight * act for state, act in stage_memory_figures(manifest)]

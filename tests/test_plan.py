@@ -37,7 +37,6 @@ from swarmtrain.plan import (
     should_move,
     transformer_block_cost,
 )
-from swarmtrain.plan.starts import even_bounds
 
 # helpers
 
@@ -246,12 +245,13 @@ def test_no_peers_or_no_fit_gives_an_incomplete_zero_plan():
     assert plan_swarm([block()], [], CONFIG).trainers == ()
 
 
-def test_even_split_matches_the_manifest_split():
+def test_the_baseline_cuts_as_the_manifest_splits():
     from swarmtrain.wire.records import even_split
 
-    for num_blocks in range(1, 13):
+    for num_blocks in range(1, 8):
         for num_stages in range(1, num_blocks + 1):
-            assert even_bounds(num_blocks, num_stages) == even_split(num_blocks, num_stages)
+            plan = even_split_plan([block()] * num_blocks, [peer("a")], CONFIG, num_stages=num_stages)
+            assert plan.stage_bounds == even_split(num_blocks, num_stages)
 
 
 def test_round_robin_skips_peers_that_do_not_fit():

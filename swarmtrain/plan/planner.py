@@ -22,10 +22,10 @@ from swarmtrain.plan.starts import (
     all_bounds,
     anchor_bounds,
     cover_bounds,
-    even_bounds,
     flops_bounds,
     round_robin,
 )
+from swarmtrain.wire.records import even_split
 
 QUICK_ROUNDS = 2
 """(assign, cut) rounds in the first pass at every stage count."""
@@ -206,7 +206,7 @@ def _even_split(problem: Problem, config: PlanConfig, num_stages: int | None) ->
     for count in counts:
         if best is not None and _cannot_beat(problem, count, best.score[0]):
             break
-        bounds = even_bounds(problem.num_blocks, count)
+        bounds = even_split(problem.num_blocks, count)
         candidate = _candidate(problem, bounds, round_robin(problem, bounds))
         if _better(candidate, best):
             best = candidate
@@ -261,7 +261,7 @@ def _starts(problem: Problem, num_stages: int, enumerate_cuts: bool) -> list[tup
     if enumerate_cuts:
         return list(all_bounds(n, num_stages))
     guesses = [
-        even_bounds(n, num_stages),
+        even_split(n, num_stages),
         flops_bounds(problem.model, num_stages),
         anchor_bounds(problem, num_stages, largest_first=True),
         anchor_bounds(problem, num_stages, largest_first=False),
