@@ -5,7 +5,7 @@ its parameters and optimizer state from a live replica, and serves until stopped
 and backward work (`stage_work`), the step commit (`stage_commit`), state downloads for
 joining replicas. Every heartbeat it announces its readiness and counters in the DHT, reads
 the replicas of the next stage (where its hops go), catches up if it fell behind, and may
-move to another stage when that raises swarm throughput (`planning.StageRebalancer`).
+move to another stage when that raises swarm throughput (`placement.StageRebalancer`).
 
 Networking runs on one asyncio loop; compute on one thread, in the order the run's
 schedule gives (`swarmtrain.schedule`).
@@ -29,7 +29,6 @@ from swarmtrain.compress.policy import resolve_codec
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
 from swarmtrain.model import build_stage
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
-from swarmtrain.peers.planning import choose_stage, stage_memory_figures
 from swarmtrain.peers.stage_commit import StageCommit
 from swarmtrain.peers.stage_work import StageWork, readiness_meta
 from swarmtrain.schedule import (
@@ -41,6 +40,7 @@ from swarmtrain.schedule import (
 )
 from swarmtrain.schedule.runtime import ComputeScheduler
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
+from swarmtrain.train.placement import choose_stage, stage_memory_figures
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame, error_frame
@@ -183,7 +183,7 @@ class StagePeer:
         self.router = RoundRobinRouter() if static else ReadinessRouter()
         self._take_stage(self.stage)
         if cfg.rebalance_s > 0:
-            from swarmtrain.peers.planning import StageRebalancer
+            from swarmtrain.train.placement import StageRebalancer
 
             self._rebalancer = StageRebalancer(manifest, patience=cfg.rebalance_patience)
         self.transport = TensorTransport(await node.p2p(), cfg.transport)

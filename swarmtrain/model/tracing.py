@@ -1,6 +1,6 @@
 """Tracing a real model: what each of its blocks costs a stage that holds it, measured from
 the module itself (torch, meta device). The planner's analytic model of those costs is
-`swarmtrain.plan.cost_model`; `swarmtrain.peers.planning` feeds it these records.
+`swarmtrain.plan.cost_model`; `swarmtrain.train.placement` feeds it these records.
 
 `block_costs` traces every part of a registered model on the meta device (no memory, no
 compute, any model size) for one microbatch, forward and backward:

@@ -1,5 +1,6 @@
-"""From a model and measured peers to a plan: the bridge between tracing a model's costs
-(`swarmtrain.model.tracing`, torch) and the pure planner in `swarmtrain.plan`."""
+"""Placement: from a model and measured peers to stages. The bridge between tracing a
+model's costs (`swarmtrain.model.tracing`, torch) and the pure planner in `swarmtrain.plan`;
+the stage peers and the launchers in `swarmtrain.peers` call it."""
 
 from __future__ import annotations
 
@@ -121,22 +122,26 @@ class StageRebalancer:
 
 
 def plan_emulated_peers(
-    model: str, model_config: dict, slowdowns: list[float] | tuple[float, ...], batch
+    model: str,
+    model_config: dict,
+    slowdowns: list[float] | tuple[float, ...],
+    batch,
+    *,
+    flops_per_s: float,
+    memory_bytes: float,
 ) -> tuple[Plan, list[list[float]]]:
     """Plan for peers on this machine that pose as slower devices with `--slowdown F`.
 
-    Measures this machine once; peer i gets its flops divided by slowdowns[i] and an equal
-    share of its memory. Returns the plan and, for each stage, the slowdowns of its peers
-    (peers the plan leaves out are in `plan.trainers`, named 'peer{i}').
+    `flops_per_s` and `memory_bytes` are this machine's, as its probe measured them; peer i
+    gets the flops divided by slowdowns[i] and an equal share of the memory. Returns the plan
+    and, for each stage, the slowdowns of its peers (peers the plan leaves out are in
+    `plan.trainers`, named 'peer{i}').
     """
-    from swarmtrain.peers.probe import probe
-
-    cap = probe("cpu", seconds=0.3)
     peers = [
         PeerCapacity(
             peer_id=f"peer{i}",
-            flops_per_s=cap.matmul_flops_per_s / slowdown,
-            memory_bytes=cap.usable_memory_bytes / len(slowdowns),
+            flops_per_s=flops_per_s / slowdown,
+            memory_bytes=memory_bytes / len(slowdowns),
             bandwidth_bytes_per_s=LOOPBACK_BYTES_PER_S,
         )
         for i, slowdown in enumerate(slowdowns)
