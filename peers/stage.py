@@ -175,7 +175,8 @@ class StagePeer:
                     f"{cfg.max_memory_bytes / 2**20:.1f} MiB: pick another --stage or raise --max-memory"
                 )
         if cfg.stage is None:
-            self.stage = choose_stage(manifest, await node.peers_async(manifest.run_id), fits)
+            records = await node.peers_async(manifest.run_id)
+            self.stage = choose_stage(manifest, records, fits, self.capacity, peer_id=self.peer_id)
         else:
             self.stage = cfg.stage
         start, end = manifest.stage_span(self.stage)

@@ -4,10 +4,13 @@ the stage peers and the launchers in `swarmtrain.peers` call it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
 from swarmtrain.model.tracing import block_costs
-from swarmtrain.plan import BlockCost, PeerCapacity, Plan, PlanConfig, plan_swarm
+from swarmtrain.plan import BlockCost, PeerCapacity, Plan, PlanConfig, plan_swarm, serving_stage
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
 LOOPBACK_BYTES_PER_S = 500 * 2**20
@@ -43,8 +46,7 @@ def plan_for_peers(
 ) -> Plan:
     """Stage boundaries and replicas for `peers`, maximising predicted pipeline throughput
     (replicas cost a gradient all-reduce per step, which the planner weighs)."""
-    meta = build_model(model, model_config, device="meta")
-    tokens_per_sample = meta.input_shape[0] if meta.input_shape else 1
+    tokens_per_sample = _tokens_per_sample(model, model_config)
     config = PlanConfig(
         tokens_in_flight=tokens_per_sample * microbatch_size * max_in_flight,
         tokens_per_step=tokens_per_sample * microbatch_size * microbatches_per_step,
@@ -54,15 +56,59 @@ def plan_for_peers(
     return plan_swarm(costs, peers, config)
 
 
-def capacity_of(record) -> PeerCapacity:
-    """A peer's announced capacity (its start-up probe) as the planner's PeerCapacity."""
-    cap = record.capacity or {}
+def _tokens_per_sample(model: str, model_config: dict) -> int:
+    meta = build_model(model, model_config, device="meta")
+    return meta.input_shape[0] if meta.input_shape else 1  # (T,) for token models
+
+
+def manifest_costs(manifest: RunManifest) -> list[BlockCost]:
+    """The run's per-block costs for the planner: its model traced at its microbatch size."""
+    return planner_costs(
+        manifest.model,
+        manifest.model_config,
+        microbatch_size=manifest.batch.microbatch_size,
+        optimizer=manifest.optimizer.name,
+    )
+
+
+def manifest_plan_config(manifest: RunManifest) -> PlanConfig:
+    """How the planner models the run: the tokens a stage holds in flight and the tokens of
+    one optimizer step (over which replicas average), from the manifest's batch settings."""
+    tokens = _tokens_per_sample(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
+    return PlanConfig(
+        tokens_in_flight=tokens * manifest.batch.max_in_flight,
+        tokens_per_step=tokens * manifest.batch.microbatches_per_step,
+    )
+
+
+def peer_capacity(peer_id: str, capacity: Mapping[str, Any] | None) -> PeerCapacity:
+    """A capacity dict (the keys of `PeerRecord.capacity`: flops_per_s, memory_bytes,
+    bandwidth_bytes_per_s, is_spot) as the planner's PeerCapacity; missing keys take a
+    modest default (1 GFLOP/s, 16 GiB, loopback bandwidth, not spot)."""
+    cap = capacity or {}
     return PeerCapacity(
-        peer_id=record.peer_id,
+        peer_id=peer_id,
         flops_per_s=float(cap.get("flops_per_s", 1e9)),
         memory_bytes=float(cap.get("memory_bytes", 2**34)),
         bandwidth_bytes_per_s=float(cap.get("bandwidth_bytes_per_s", LOOPBACK_BYTES_PER_S)),
         is_spot=bool(cap.get("is_spot", False)),
+    )
+
+
+def capacity_of(record: PeerRecord) -> PeerCapacity:
+    """A peer's announced capacity (its start-up probe) as the planner's PeerCapacity."""
+    return peer_capacity(record.peer_id, record.capacity)
+
+
+def layout_plan(manifest: RunManifest, records: Iterable[PeerRecord]) -> Plan:
+    """The run's current layout as a plan: the manifest's stage bounds, each of `records`
+    (stage peers, their stages in range) on its stage; no predicted rates."""
+    return Plan(
+        stage_bounds=manifest.stage_bounds,
+        assignments={r.peer_id: r.stage for r in records},
+        trainers=(),
+        throughput_tokens_per_s=0.0,
+        stage_tokens_per_s=(0.0,) * manifest.num_stages,
     )
 
 
@@ -79,20 +125,9 @@ class StageRebalancer:
     def __init__(self, manifest, *, min_gain: float = 0.1, patience: int = 3):
         from swarmtrain.plan import RebalanceConfig, Rebalancer
 
-        meta = build_model(manifest.model, manifest.model_config, device="meta")
-        tokens_per_sample = meta.input_shape[0] if meta.input_shape else 1
-        batch = manifest.batch
         self.manifest = manifest
-        self.config = PlanConfig(
-            tokens_in_flight=tokens_per_sample * batch.microbatch_size * batch.max_in_flight,
-            tokens_per_step=tokens_per_sample * batch.microbatch_size * batch.microbatches_per_step,
-        )
-        self.costs = planner_costs(
-            manifest.model,
-            manifest.model_config,
-            microbatch_size=batch.microbatch_size,
-            optimizer=manifest.optimizer.name,
-        )
+        self.config = manifest_plan_config(manifest)
+        self.costs = manifest_costs(manifest)
         self.rebalancer = Rebalancer(RebalanceConfig(min_gain=min_gain, patience=patience))
 
     def check(self, me: str, records) -> int | None:
@@ -102,14 +137,7 @@ class StageRebalancer:
         serving = [r for r in records if r.role == "stage" and r.state == "serving"]
         if me not in {r.peer_id for r in serving}:
             return None
-        num_stages = self.manifest.num_stages
-        plan = Plan(
-            stage_bounds=self.manifest.stage_bounds,
-            assignments={r.peer_id: r.stage for r in serving},
-            trainers=(),
-            throughput_tokens_per_s=0.0,
-            stage_tokens_per_s=(0.0,) * num_stages,
-        )
+        plan = layout_plan(self.manifest, serving)
         if not plan.is_complete:
             return None
         peers = [capacity_of(r) for r in serving]
@@ -160,25 +188,51 @@ def plan_emulated_peers(
     return plan, stages
 
 
-def choose_stage(manifest: RunManifest, records: list[PeerRecord], fits: list[bool] | None = None) -> int:
-    """The stage that needs a peer most: the lowest measured compute per block among the
-    stages this peer fits (a stage with no peer first), the lowest index among ties."""
-    fits = fits or [True] * manifest.num_stages
-    flops = [0.0] * manifest.num_stages
-    counts = [0] * manifest.num_stages
-    for r in records:
-        if r.role == "stage" and 0 <= r.stage < manifest.num_stages and r.state != "draining":
-            counts[r.stage] += 1
-            flops[r.stage] += float(r.capacity.get("flops_per_s", 1.0))
-    candidates = [k for k in range(manifest.num_stages) if fits[k]]
-    if not candidates:
+JOINING_PEER_ID = "joining-peer"
+"""Stands for the joining peer in its own plan when `choose_stage` is not told its id."""
+
+
+def choose_stage(
+    manifest: RunManifest,
+    records: Iterable[PeerRecord],
+    fits: Sequence[bool] | None = None,
+    capacity: Mapping[str, Any] | None = None,
+    *,
+    peer_id: str | None = None,
+) -> int:
+    """The stage a stage peer started without one takes when it joins the run.
+
+    The pure rule `swarmtrain.plan.serving_stage` on the run as `records` show it: the
+    manifest's stages, replicated by every stage peer that is joining or serving (draining
+    peers are leaving; records of `peer_id` are this peer's own, from an earlier life); costs
+    traced from the manifest's model, and the planner configured from its batch as the
+    rebalancer is. So: a stage with no live replica first (lowest index), else the planner's
+    `join_stage`, else the stage with the lowest predicted rate per replica. `fits[k]`: this
+    peer has the memory for stage k (None: every stage); it never takes another. `capacity`:
+    this peer's own, as its record will announce it (see `peer_capacity` for the keys).
+    Raises ConfigError when it fits no stage.
+    """
+    num_stages = manifest.num_stages
+    fits = [True] * num_stages if fits is None else list(fits)
+    if len(fits) != num_stages:
+        raise ConfigError(
+            f"fits has {len(fits)} entries for a run of {num_stages} stages: give one per stage"
+        )
+    if not any(fits):
         raise ConfigError("this peer's --max-memory fits no stage of the run: raise it, or train instead")
-
-    def need(k: int) -> tuple:
-        start, end = manifest.stage_span(k)
-        return (counts[k] > 0, flops[k] / (end - start), counts[k], k)
-
-    return min(candidates, key=need)
+    live = [
+        r
+        for r in records
+        if r.role == "stage" and 0 <= r.stage < num_stages and r.state != "draining" and r.peer_id != peer_id
+    ]
+    return serving_stage(
+        layout_plan(manifest, live),
+        manifest_costs(manifest),
+        [capacity_of(r) for r in live],
+        manifest_plan_config(manifest),
+        peer_capacity(peer_id or JOINING_PEER_ID, capacity),
+        fits,
+    )
 
 
 def stage_memory_figures(manifest: RunManifest) -> list[tuple[int, int]]:
@@ -190,9 +244,7 @@ def stage_memory_figures(manifest: RunManifest) -> list[tuple[int, int]]:
         microbatch_size=manifest.batch.microbatch_size,
         optimizer=manifest.optimizer.name,
     )
-    model = build_model(manifest.model, manifest.model_config, device="meta")
-    tokens_per_sample = model.input_shape[0] if model.input_shape else 1  # (T,) for token models
-    tokens = tokens_per_sample * manifest.batch.microbatch_size
+    tokens = _tokens_per_sample(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
     out = []
     for k in range(manifest.num_stages):
         start, end = manifest.stage_span(k)
