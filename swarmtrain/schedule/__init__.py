@@ -3,6 +3,7 @@ and the accounting that makes every microbatch count once (pure policy, plus a t
 
 from swarmtrain.schedule.accounting import ReplicaReport, StageCommitPlan, StepLedger, plan_stage_commit
 from swarmtrain.schedule.queue import ReadinessQueue, StaticQueue, Task, in_flight_budget, one_f_one_b
+from swarmtrain.schedule.readiness import Readiness, ReadinessConfig, ReadinessEstimator
 from swarmtrain.schedule.routing import BanConfig, Bans, ReadinessRouter, RoundRobinRouter, RouterConfig
 from swarmtrain.schedule.window import InFlightWindow, WindowConfig
 
@@ -10,6 +11,9 @@ __all__ = [
     "BanConfig",
     "Bans",
     "InFlightWindow",
+    "Readiness",
+    "ReadinessConfig",
+    "ReadinessEstimator",
     "ReadinessQueue",
     "ReadinessRouter",
     "ReplicaReport",
