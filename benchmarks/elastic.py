@@ -16,8 +16,9 @@ import statistics
 import time
 
 from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig
-from swarmtrain.peers.planning import plan_emulated_peers
+from swarmtrain.peers.probe import probe
 from swarmtrain.train.data import TokenBatches, stdlib_text
+from swarmtrain.train.placement import plan_emulated_peers
 from swarmtrain.wire.records import BatchConfig, even_split
 
 MODEL = {"n_layer": 8, "n_head": 4, "d_model": 128, "seq_len": 64, "vocab_size": 256}
@@ -62,7 +63,15 @@ def main() -> None:
     slowdowns = [float(s) for s in args.slowdowns.split(",")]
     started = time.monotonic()
 
-    plan, planned = plan_emulated_peers("tiny-gpt", MODEL, slowdowns, BATCH)
+    cap = probe("cpu", seconds=0.3)
+    plan, planned = plan_emulated_peers(
+        "tiny-gpt",
+        MODEL,
+        slowdowns,
+        BATCH,
+        flops_per_s=cap.matmul_flops_per_s,
+        memory_bytes=cap.usable_memory_bytes,
+    )
 
     even = measure(even_split(MODEL["n_layer"], len(slowdowns)), [[s] for s in slowdowns], args.steps)
     best = measure(plan.stage_bounds, planned, args.steps)

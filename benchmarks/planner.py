@@ -134,18 +134,20 @@ def heuristic_quality(rng: random.Random, instances: int, averaging: bool) -> di
     """
     from swarmtrain.plan import BlockCost
 
+    def block() -> BlockCost:
+        flops, weights_and_grads = rng.uniform(1, 10), rng.uniform(0, 10)
+        return BlockCost(
+            flops_per_token=flops,
+            weight_bytes=weights_and_grads / 2,  # gradients as large as the weights
+            grad_bytes=weights_and_grads / 2,
+            optimizer_bytes=rng.uniform(0, 10),
+            activation_bytes_per_token=rng.uniform(0, 1),
+            boundary_bytes_per_token=rng.uniform(0, 5),
+        )
+
     gaps = []
     for _ in range(instances):
-        costs = [
-            BlockCost(
-                flops_per_token=rng.uniform(1, 10),
-                param_bytes=rng.uniform(0, 10),
-                optimizer_bytes=rng.uniform(0, 10),
-                activation_bytes_per_token=rng.uniform(0, 1),
-                boundary_bytes_per_token=rng.uniform(0, 5),
-            )
-            for _ in range(rng.randint(2, 6))
-        ]
+        costs = [block() for _ in range(rng.randint(2, 6))]
         peers = [
             PeerCapacity(
                 peer_id=f"p{i}",

@@ -20,7 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig, cli_command
-from swarmtrain.peers.planning import plan_emulated_peers
+from swarmtrain.peers.probe import probe
+from swarmtrain.train.placement import plan_emulated_peers
 from swarmtrain.wire.records import CODEC_CHOICES, BatchConfig, CompressionConfig, OptimizerConfig
 
 DEMO_MODEL = {"n_layer": 6, "n_head": 4, "d_model": 128, "seq_len": 64, "vocab_size": 256}
@@ -83,7 +84,15 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
     bounds, stage_args, layout = None, {}, None
     if config.heterogeneous:
         with console.status("measuring this machine and planning stages for peers of unequal speed ..."):
-            plan, stages = plan_emulated_peers("tiny-gpt", model_config, HETEROGENEOUS_SLOWDOWNS, batch)
+            cap = probe("cpu", seconds=0.3)
+            plan, stages = plan_emulated_peers(
+                "tiny-gpt",
+                model_config,
+                HETEROGENEOUS_SLOWDOWNS,
+                batch,
+                flops_per_s=cap.matmul_flops_per_s,
+                memory_bytes=cap.usable_memory_bytes,
+            )
         bounds, layout = plan.stage_bounds, _describe_plan(plan, stages)
         stage_args = {k: ("--slowdown", str(s[0])) for k, s in enumerate(stages)}
         for row in layout:

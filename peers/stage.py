@@ -6,7 +6,7 @@ serves is the protocol in `swarmtrain.train` (`service.StageService`: forward an
 work, the step commit, state downloads); this process wires it to a DHT node, a libp2p
 transport and a real clock. Every heartbeat it announces its readiness and counters in the
 DHT, reads the replicas of the next stage (where its hops go), catches up if it fell behind,
-and may move to another stage when that raises swarm throughput (`planning.StageRebalancer`).
+and may move to another stage when that raises swarm throughput (`placement.StageRebalancer`).
 
 Networking runs on one asyncio loop; compute on one thread, in the order the run's
 schedule gives (`swarmtrain.schedule`).
@@ -29,7 +29,6 @@ import swarmtrain
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
 from swarmtrain.model import build_stage
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
-from swarmtrain.peers.planning import choose_stage, stage_memory_figures
 from swarmtrain.schedule import (
     ReadinessQueue,
     ReadinessRouter,
@@ -41,6 +40,7 @@ from swarmtrain.schedule.runtime import ComputeScheduler
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.service import ServeCounters, StageService
+from swarmtrain.train.placement import choose_stage, stage_memory_figures
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame
@@ -172,7 +172,8 @@ class StagePeer:
                     f"{cfg.max_memory_bytes / 2**20:.1f} MiB: pick another --stage or raise --max-memory"
                 )
         if cfg.stage is None:
-            self.stage = choose_stage(manifest, await node.peers_async(manifest.run_id), fits)
+            records = await node.peers_async(manifest.run_id)
+            self.stage = choose_stage(manifest, records, fits, self.capacity, peer_id=self.peer_id)
         else:
             self.stage = cfg.stage
         start, end = manifest.stage_span(self.stage)
@@ -181,7 +182,7 @@ class StagePeer:
         self.transport = TensorTransport(await node.p2p(), cfg.transport)
         self._take_stage(self.stage)
         if cfg.rebalance_s > 0:
-            from swarmtrain.peers.planning import StageRebalancer
+            from swarmtrain.train.placement import StageRebalancer
 
             self._rebalancer = StageRebalancer(manifest, patience=cfg.rebalance_patience)
         await self._sync_from_replica()

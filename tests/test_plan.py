@@ -37,15 +37,16 @@ from swarmtrain.plan import (
     should_move,
     transformer_block_cost,
 )
-from swarmtrain.plan.starts import even_bounds
 
 # helpers
 
 
-def block(flops=1.0, param=0.0, optimizer=0.0, activation=0.0, boundary=0.0) -> BlockCost:
+def block(flops=1.0, weights_and_grads=0.0, optimizer=0.0, activation=0.0, boundary=0.0) -> BlockCost:
+    """A block whose weights and gradients are the same size, together `weights_and_grads` bytes."""
     return BlockCost(
         flops_per_token=flops,
-        param_bytes=param,
+        weight_bytes=weights_and_grads / 2,
+        grad_bytes=weights_and_grads / 2,
         optimizer_bytes=optimizer,
         activation_bytes_per_token=activation,
         boundary_bytes_per_token=boundary,
@@ -81,13 +82,16 @@ def brute_force(costs, peers, config) -> float:
 
     def stage(i, j):
         flops = sum(c.flops_per_token for c in costs[i:j])
-        memory = sum(c.param_bytes + c.optimizer_bytes + c.activation_bytes_per_token * t for c in costs[i:j])
+        memory = sum(
+            c.weight_bytes + c.grad_bytes + c.optimizer_bytes + c.activation_bytes_per_token * t
+            for c in costs[i:j]
+        )
         inbound = costs[i - 1].boundary_bytes_per_token if i > 0 else 0.0
         outbound = costs[j - 1].boundary_bytes_per_token if j < n else 0.0
         return flops, memory, 2.0 * (inbound + outbound)
 
-    def grad_bytes(i, j):  # param_bytes counts weights and gradients alike
-        return sum(c.param_bytes for c in costs[i:j]) / 2
+    def grad_bytes(i, j):
+        return sum(c.grad_bytes for c in costs[i:j])
 
     best = 0.0
     for num_stages in range(1, min(n, len(peers), config.max_stages or n) + 1):
@@ -148,7 +152,7 @@ def test_transformer_block_cost_formulas():
     d, t = 2048, 1024
     cost = transformer_block_cost(d_model=d, seq_len=t)
     assert cost.flops_per_token == 72 * d * d + 6 * t * d
-    assert cost.param_bytes == 4 * 12 * d * d  # bf16 weights + bf16 gradients
+    assert cost.weight_bytes == cost.grad_bytes == 2 * 12 * d * d  # bf16 weights, bf16 gradients
     assert cost.optimizer_bytes == 12 * 12 * d * d  # fp32 master + Adam m, v
     assert cost.activation_bytes_per_token == 34 * d
     assert cost.boundary_bytes_per_token == d  # 8-bit activations
@@ -164,7 +168,7 @@ def test_one_peer_that_fits_everything_gets_one_stage():
 def test_unequal_stages_match_unequal_peers():
     # Each peer holds at most 3 of the 4 blocks, so two stages are needed. Even halves give
     # min(3/2, 1/2) = 0.5; three blocks on the 3x faster peer give min(3/3, 1/1) = 1.0.
-    costs = [block(1, param=1)] * 4
+    costs = [block(1, weights_and_grads=1)] * 4
     peers = [peer("fast", flops=3, memory=3), peer("slow", flops=1, memory=3)]
     plan = plan_swarm(costs, peers, CONFIG)
     assert plan.stage_bounds in ((0, 3, 4), (0, 1, 4))
@@ -178,7 +182,7 @@ def test_unequal_stages_match_unequal_peers():
 def test_network_bound_peers_prefer_the_end_stages():
     # Middle stages move twice the bytes of end stages. Three 1-block stages: the slow-link
     # peer at an end runs at min(1, 8 / (2 * 2)) = 1 token/s, in the middle at only 0.5.
-    costs = [block(1, param=1, boundary=2)] * 3
+    costs = [block(1, weights_and_grads=1, boundary=2)] * 3
     peers = [
         peer("a", memory=1, bandwidth=8),
         peer("b", memory=1, bandwidth=1e9),
@@ -191,7 +195,7 @@ def test_network_bound_peers_prefer_the_end_stages():
 
 
 def test_evaluate_recomputes_rates_and_flags_memory():
-    costs = [block(1, param=2)] * 2
+    costs = [block(1, weights_and_grads=2)] * 2
     peers = [peer("a", flops=4, memory=2), peer("b", flops=2, memory=2), peer("c", flops=9, memory=1)]
     plan = Plan(
         stage_bounds=(0, 1, 2),
@@ -234,23 +238,24 @@ def test_bad_inputs_say_what_is_wrong():
 
 
 def test_no_peers_or_no_fit_gives_an_incomplete_zero_plan():
-    plan = plan_swarm([block(param=5)] * 2, [peer("tiny", memory=1)], CONFIG)
+    plan = plan_swarm([block(weights_and_grads=5)] * 2, [peer("tiny", memory=1)], CONFIG)
     assert plan.throughput_tokens_per_s == 0
     assert not plan.is_complete
     assert plan.trainers == ("tiny",)
     assert plan_swarm([block()], [], CONFIG).trainers == ()
 
 
-def test_even_split_matches_the_manifest_split():
+def test_the_baseline_cuts_as_the_manifest_splits():
     from swarmtrain.wire.records import even_split
 
-    for num_blocks in range(1, 13):
+    for num_blocks in range(1, 8):
         for num_stages in range(1, num_blocks + 1):
-            assert even_bounds(num_blocks, num_stages) == even_split(num_blocks, num_stages)
+            plan = even_split_plan([block()] * num_blocks, [peer("a")], CONFIG, num_stages=num_stages)
+            assert plan.stage_bounds == even_split(num_blocks, num_stages)
 
 
 def test_round_robin_skips_peers_that_do_not_fit():
-    costs = [block(param=2), block(param=1)]
+    costs = [block(weights_and_grads=2), block(weights_and_grads=1)]
     peers = [peer("a", memory=2), peer("b", memory=1), peer("c", memory=1), peer("d", memory=0.5)]
     plan = even_split_plan(costs, peers, CONFIG, num_stages=2)
     # a takes stage 0; b takes stage 1; c's turn is stage 0, which it does not fit, so it takes
@@ -260,7 +265,7 @@ def test_round_robin_skips_peers_that_do_not_fit():
 
 
 def test_join_stage_hand_case():
-    costs = [block(1, param=1), block(1, param=2)]
+    costs = [block(1, weights_and_grads=1), block(1, weights_and_grads=2)]
     peers = [peer("a", flops=10, memory=1), peer("b", flops=5, memory=2)]
     plan = plan_swarm(costs, peers, CONFIG)
     assert plan.stage_bounds == (0, 1, 2)
@@ -273,7 +278,7 @@ def test_join_stage_hand_case():
 
 
 def test_best_move_and_rebalancer_hand_case():
-    costs = [block(1, param=1)] * 2
+    costs = [block(1, weights_and_grads=1)] * 2
     peers = [peer("a", flops=1, memory=1), peer("b", flops=6, memory=1), peer("c", flops=6, memory=1)]
     plan = Plan(
         stage_bounds=(0, 1, 2),
@@ -293,10 +298,10 @@ def test_best_move_and_rebalancer_hand_case():
 
 
 def test_averaging_adds_a_per_step_cost_for_replicated_stages():
-    # One block (param_bytes 4: 2 bytes of gradients), two 10 token/s replicas, the slower link
+    # One block (2 bytes of weights, 2 of gradients), two 10 token/s replicas, the slower link
     # 2 bytes/s. Per 100-token step: 100 / 20 = 5 s of compute, then averaging 1 s + 2 x 2 x
     # (1/2) / 2 = 2 s, so 100 tokens / 7 s. Without tokens_per_step: the plain sum, 20.
-    costs = [block(1, param=4)]
+    costs = [block(1, weights_and_grads=4)]
     peers = [peer("a", flops=10, bandwidth=2), peer("b", flops=10, bandwidth=8)]
     config = dataclasses.replace(CONFIG, tokens_per_step=100, averaging_overhead_s=1.0)
     model = CostModel(costs, config)
@@ -329,7 +334,11 @@ def test_costly_averaging_turns_data_parallelism_into_a_pipeline():
     # averaging, 4 replicas of the whole model (4 x 8 / 8 = 4 tokens/s) tie a 4-stage pipeline
     # cut 2 | 1+1 | 1+1 | 2 (8 / 2 = 4), and the planner keeps the first found: 1 stage, 4
     # replicas. With costly averaging, replicas lose and the pipeline wins.
-    costs = [block(2, param=1), *[block(1, param=1)] * 4, block(2, param=1)]
+    costs = [
+        block(2, weights_and_grads=1),
+        *[block(1, weights_and_grads=1)] * 4,
+        block(2, weights_and_grads=1),
+    ]
     peers = [peer(f"p{i}", flops=8) for i in range(4)]
     data_parallel = plan_swarm(costs, peers, CONFIG)
     assert data_parallel.stage_bounds == (0, 6)
@@ -361,7 +370,7 @@ def test_planner_imports_no_torch():
 blocks_st = st.builds(
     block,
     flops=st.integers(1, 10),
-    param=st.integers(0, 10),
+    weights_and_grads=st.integers(0, 10),
     optimizer=st.integers(0, 10),
     activation=st.integers(0, 3),
     boundary=st.integers(0, 5),

@@ -1,5 +1,5 @@
-"""The readiness policies, pure: ready queues, routing and bans, the in-flight window, the
-commit accounting, and the compute runtime that drives a queue."""
+"""The readiness policies, pure: ready queues, the readiness estimate, routing and bans, the
+in-flight window, the commit accounting, and the compute runtime that drives a queue."""
 
 import asyncio
 import threading
@@ -9,10 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from swarmtrain.errors import ConfigError
 from swarmtrain.schedule import (
     BanConfig,
     Bans,
     InFlightWindow,
+    ReadinessConfig,
+    ReadinessEstimator,
     ReadinessQueue,
     ReadinessRouter,
     ReplicaReport,
@@ -100,6 +103,82 @@ def test_static_queue_waits_for_the_fixed_order_then_gives_up_after_the_grace():
     assert q.pop(0, now=0.1).order == 0
     assert q.pop(0, now=0.2) is None  # B0 is next
     assert q.pop(0, now=1.3).order == 1  # B0 never came: the order is abandoned
+
+
+# the readiness estimate
+
+
+def test_service_times_are_moving_averages_per_kind():
+    est = ReadinessEstimator(fused_last=False, now=0.0, config=ReadinessConfig(service_alpha=0.5))
+    assert est.service_s == 0 and est.report([], now=0.0).service_s == 0  # nothing measured yet
+    est.started("forward", now=0.0)
+    est.finished(2.0, now=2.0)
+    assert est.service_of("forward") == 2.0  # the first run sets the average
+    est.started("forward", now=2.0)
+    est.finished(4.0, now=6.0)
+    assert est.service_of("forward") == 3.0  # 2 + 0.5 x (4 - 2)
+    est.started("backward", now=6.0)
+    est.finished(1.0, now=7.0)
+    assert est.service_s == 4.0  # forward + backward
+    assert est.busy_s == 7.0 and est.tasks_run == 3
+
+
+def test_backlog_counts_queued_tasks_and_what_remains_of_the_running_one():
+    est = ReadinessEstimator(fused_last=False, now=0.0)
+    for kind, seconds in [("forward", 1.0), ("backward", 2.0)]:
+        est.started(kind, now=0.0)
+        est.finished(seconds, now=0.0)
+    est.started("backward", now=10.0)
+    queued = ["forward", "forward", "backward"]
+    ready = est.report(queued, now=10.5)
+    assert ready.queue_depth == 4  # three queued, one running
+    assert ready.backlog_s == 1 + 1 + 2 + (2 - 0.5)
+    assert est.backlog_s([], now=13.0) == 0  # a task running past its average adds nothing
+    est.finished(3.0, now=13.0)
+    assert est.report([], now=13.0).queue_depth == 0 and est.backlog_s([], now=13.0) == 0
+
+
+def test_an_idle_peer_reports_its_best_service_time_only_after_the_idle_period():
+    est = ReadinessEstimator(fused_last=False, now=0.0, config=ReadinessConfig(idle_optimism_s=2.0))
+    est.started("forward", now=0.0)
+    est.finished(1.0, now=1.0)
+    assert est.report([], now=10.0).service_s == 1.0  # no best yet: backward never measured
+    est.started("backward", now=10.0)
+    est.finished(1.0, now=11.0)  # best: 2 s
+    for kind, t in [("forward", 11.0), ("backward", 14.0)]:  # the device throttles
+        est.started(kind, now=t)
+        est.finished(3.0, now=t + 3.0)
+    assert est.service_s == 4.0  # (1 + 0.5 x 2) + (1 + 0.5 x 2)
+    assert est.report([], now=17.0).service_s == 4.0  # just finished
+    assert est.report([], now=19.0).service_s == 4.0  # idle for exactly the period: not yet
+    assert est.report([], now=19.5).service_s == 2.0  # idle for longer: its best
+    assert est.report(["forward"], now=19.5).service_s == 4.0  # work waiting: not idle
+    est.started("forward", now=20.0)
+    assert est.report([], now=30.0).service_s == 4.0  # a task running: not idle
+
+
+def test_the_last_stage_times_its_fused_loss_tasks():
+    est = ReadinessEstimator(fused_last=True, now=0.0, config=ReadinessConfig(idle_optimism_s=0.0))
+    est.started("loss", now=0.0)
+    est.finished(3.0, now=3.0)
+    est.started("loss", now=3.0)
+    est.finished(5.0, now=8.0)
+    assert est.service_s == 4.0 and est.service_of("forward") == 0
+    assert est.report([], now=9.0).service_s == 3.0  # idle: the best loss time
+    assert est.report(["loss"], now=9.0).backlog_s == 4.0
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"service_alpha": 0}, "service_alpha must be in \\(0, 1\\], got 0"),
+        ({"service_alpha": 1.5}, "service_alpha must be in \\(0, 1\\], got 1.5"),
+        ({"idle_optimism_s": -1}, "idle_optimism_s must be a finite number >= 0, got -1"),
+    ],
+)
+def test_readiness_config_says_what_is_wrong(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ReadinessConfig(**fields)
 
 
 # routing and bans
@@ -288,23 +367,24 @@ def test_scheduler_runs_tasks_in_policy_order_and_reports_readiness():
     assert ready["queue_depth"] == 0 and ready["service_s"] > 0 and busy > 0
 
 
-def test_an_idle_scheduler_reports_the_best_service_time_it_has_shown(monkeypatch):
-    import swarmtrain.schedule.runtime as runtime
-
+def test_an_idle_scheduler_reports_the_best_service_time_it_has_shown():
     factor = {"now": 1.0}
+    idle_s = 3600.0
 
     async def main():
         sched = ComputeScheduler(
-            ReadinessQueue(budget=8), holding=lambda: 0, fused_last=True, slowdown=lambda: factor["now"]
+            ReadinessQueue(budget=8),
+            holding=lambda: 0,
+            fused_last=True,
+            slowdown=lambda: factor["now"],
+            readiness=ReadinessConfig(idle_optimism_s=idle_s),
         )
         await sched.run(task("loss", 0), time.sleep, 0.01)
         best = sched.service_s
         factor["now"] = 4.0  # the device throttles: its average rises
         await sched.run(task("loss", 1), time.sleep, 0.01)
-        monkeypatch.setattr(runtime, "IDLE_OPTIMISM_S", 3600.0)
         busy_report = sched.readiness()["service_s"]
-        monkeypatch.setattr(runtime, "IDLE_OPTIMISM_S", 0.0)
-        idle_report = sched.readiness()["service_s"]
+        idle_report = sched.readiness(now=time.monotonic() + idle_s + 1)["service_s"]
         sched.close()
         return best, busy_report, idle_report
 

@@ -1,9 +1,8 @@
 """Plans: stage boundaries, which peer replicates which stage, and the predicted throughput.
 
 `plan_swarm` is the planner (Zorse-style: unequal contiguous stages, unequal replica counts),
-`even_split_plan` the baseline it never falls below, `evaluate` the one throughput model both
-are judged by, and `join_stage` the Petals-style choice for a peer joining a running plan.
-All are pure and deterministic: the same costs, peers (in any order) and config give the same plan.
+`even_split_plan` the baseline it never falls below, and `evaluate` the one throughput model
+both are judged by (peers joining a running plan: `swarmtrain.plan.join`). All are pure and deterministic: the same costs, peers (in any order) and config give the same plan.
 """
 
 from __future__ import annotations
@@ -16,16 +15,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.plan.costs import BlockCost, CostModel, PeerCapacity, PlanConfig, usable_memory
+from swarmtrain.plan.cost_model import BlockCost, CostModel, PeerCapacity, PlanConfig, usable_memory
 from swarmtrain.plan.search import TRAINER, Problem
 from swarmtrain.plan.starts import (
     all_bounds,
     anchor_bounds,
     cover_bounds,
-    even_bounds,
     flops_bounds,
     round_robin,
 )
+from swarmtrain.wire.records import even_split
 
 QUICK_ROUNDS = 2
 """(assign, cut) rounds in the first pass at every stage count."""
@@ -206,7 +205,7 @@ def _even_split(problem: Problem, config: PlanConfig, num_stages: int | None) ->
     for count in counts:
         if best is not None and _cannot_beat(problem, count, best.score[0]):
             break
-        bounds = even_bounds(problem.num_blocks, count)
+        bounds = even_split(problem.num_blocks, count)
         candidate = _candidate(problem, bounds, round_robin(problem, bounds))
         if _better(candidate, best):
             best = candidate
@@ -261,7 +260,7 @@ def _starts(problem: Problem, num_stages: int, enumerate_cuts: bool) -> list[tup
     if enumerate_cuts:
         return list(all_bounds(n, num_stages))
     guesses = [
-        even_bounds(n, num_stages),
+        even_split(n, num_stages),
         flops_bounds(problem.model, num_stages),
         anchor_bounds(problem, num_stages, largest_first=True),
         anchor_bounds(problem, num_stages, largest_first=False),
@@ -340,47 +339,3 @@ def stage_members(
         counts[s] += 1
         low[s] = min(low[s], p.bandwidth_bytes_per_s)
     return sums, counts, low
-
-
-def join_stage(
-    plan: Plan,
-    costs: Sequence[BlockCost],
-    peers: Iterable[PeerCapacity],
-    config: PlanConfig,
-    new_peer: PeerCapacity,
-) -> int | None:
-    """The stage a joining peer should replicate, or None if it fits no stage (it trains).
-
-    The stage where its replica raises the pipeline throughput most; on a tie (it cannot
-    raise it, or the slowest stages are tied) the stage with the lowest rate, then the lowest
-    index, so joining peers fill the bottleneck Petals-style. With averaging (`tokens_per_step`)
-    a replica can slow its stage; such stages are skipped, and a peer that would slow every
-    stage it fits gets None too. `peers` are the plan's peers.
-    """
-    if new_peer.peer_id in plan.assignments:
-        raise ConfigError(
-            f"peer {new_peer.peer_id!r} already replicates stage {plan.assignments[new_peer.peer_id]}"
-        )
-    model = CostModel(costs, config)
-    peers = list(peers)
-    totals = evaluate(plan, costs, peers, config).stage_tokens_per_s
-    sums, counts, low = stage_members(plan, model, peers)
-    choice, choice_key = None, None
-    for s in range(plan.num_stages):
-        start, stop = plan.stage_bounds[s], plan.stage_bounds[s + 1]
-        if model.stage_memory(start, stop) > usable_memory(new_peer, config):
-            continue
-        joined = model.stage_rate(
-            sums[s] + model.replica_rate(new_peer, start, stop),
-            counts[s] + 1,
-            min(low[s], new_peer.bandwidth_bytes_per_s),
-            start,
-            stop,
-        )
-        if joined < totals[s]:
-            continue  # averaging with one more replica costs more than its tokens gain
-        after = min(joined if k == s else totals[k] for k in range(plan.num_stages))
-        key = (after, -totals[s], -s)
-        if choice_key is None or key > choice_key:
-            choice, choice_key = s, key
-    return choice

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.plan.costs import BlockCost, CostModel, PeerCapacity, PlanConfig, usable_memory
+from swarmtrain.plan.cost_model import BlockCost, CostModel, PeerCapacity, PlanConfig, usable_memory
 from swarmtrain.plan.planner import Plan, evaluate, stage_members
 
 

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from swarmtrain.plan.costs import CostModel, PeerCapacity, PlanConfig, usable_memory
+from swarmtrain.plan.cost_model import CostModel, PeerCapacity, PlanConfig, usable_memory
 
 TRAINER = -1
 SWAP_PEER_LIMIT = 128

@@ -1,6 +1,6 @@
 """Cuts and assignments the search starts from, and the baseline's.
 
-`even_bounds` + `round_robin` are the even-split baseline; `flops_bounds`, `anchor_bounds`
+`even_split` (the run manifest's split) + `round_robin` are the even-split baseline; `flops_bounds`, `anchor_bounds`
 and `cover_bounds` are starting cuts for `Problem.assign`; `all_bounds` enumerates every cut.
 """
 
@@ -11,7 +11,7 @@ import itertools
 
 import numpy as np
 
-from swarmtrain.plan.costs import CostModel
+from swarmtrain.plan.cost_model import CostModel
 from swarmtrain.plan.search import TRAINER, Problem
 
 
@@ -31,18 +31,6 @@ def round_robin(problem: Problem, bounds: tuple[int, ...]) -> list[int]:
         else:
             stage.append(TRAINER)
     return stage
-
-
-def even_bounds(num_blocks: int, num_stages: int) -> tuple[int, ...]:
-    """Boundaries of `num_stages` stages of (nearly) equal block counts, larger stages first.
-
-    The same split as `swarmtrain.wire.records.even_split` (kept here so the planner imports no torch).
-    """
-    base, extra = divmod(num_blocks, num_stages)
-    bounds = [0]
-    for k in range(num_stages):
-        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
-    return tuple(bounds)
 
 
 def flops_bounds(model: CostModel, num_stages: int) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ from swarmtrain.schedule.accounting import (
     plan_stage_commit,
 )
 from swarmtrain.schedule.queue import ReadinessQueue, StaticQueue, Task, in_flight_budget, one_f_one_b
+from swarmtrain.schedule.readiness import Readiness, ReadinessConfig, ReadinessEstimator
 from swarmtrain.schedule.routing import BanConfig, Bans, ReadinessRouter, RoundRobinRouter, RouterConfig
 from swarmtrain.schedule.window import InFlightWindow, WindowConfig
 
@@ -23,6 +24,9 @@ __all__ = [
     "BanConfig",
     "Bans",
     "InFlightWindow",
+    "Readiness",
+    "ReadinessConfig",
+    "ReadinessEstimator",
     "ReadinessQueue",
     "ReadinessRouter",
     "ReplicaReport",

@@ -3,9 +3,10 @@
 `await scheduler.run(task, fn, *args)` queues `task` and returns `fn(*args)` once the policy
 chose to run it (or raises what `fn` raised). `await scheduler.call(fn, *args)` runs
 bookkeeping (state copies, gradient folds) ahead of any queued task and is never slowed
-down. The scheduler keeps the figures a peer piggybacks on its replies: queue depth, the
-expected seconds of queued work (`backlog_s`), the moving average of a microbatch's compute
-(`service_s`) and the total compute time (`busy_s`).
+down. The scheduler keeps the figures a peer piggybacks on its replies (queue depth, the
+expected seconds of queued work `backlog_s`, the moving average of a microbatch's compute
+`service_s`) and the total compute time (`busy_s`), through a `ReadinessEstimator` it feeds
+under its lock.
 """
 
 from __future__ import annotations
@@ -19,14 +20,8 @@ from dataclasses import replace
 from typing import Any
 
 from swarmtrain.schedule.queue import ReadinessQueue, StaticQueue, Task
+from swarmtrain.schedule.readiness import ReadinessConfig, ReadinessEstimator
 
-SERVICE_ALPHA = 0.5
-"""Weight of the newest task in the service-time averages: a peer that slows down or recovers
-shows it within a few microbatches."""
-IDLE_OPTIMISM_S = 2.0
-"""A peer idle this long reports the best service time it has shown, not its last average:
-routers then send it work again, and a peer that was slow and recovered gets its share back
-(if it is still slow, the replies to that work say so)."""
 IDLE_POLL_S = 0.05
 """How often a waiting policy is asked again (a budget freed by a drop, a static grace ending)."""
 
@@ -51,11 +46,13 @@ class ComputeScheduler:
         fused_last: bool,
         slowdown: Callable[[], float] = lambda: 1.0,
         before_task: Callable[[Task], None] | None = None,
+        readiness: ReadinessConfig | None = None,
     ):
         """`holding()`: activations held now; `fused_last`: this is the last stage (its
         microbatches are single 'loss' tasks); `slowdown()`: compute takes this many times
         longer (emulates a slower or throttled device); `before_task(task)`: called on the
-        compute thread just before a task runs (fault injection)."""
+        compute thread just before a task runs (fault injection); `readiness`: how service
+        times are averaged (defaults: `ReadinessConfig()`)."""
         self.policy = policy
         self._holding = holding
         self._fused_last = fused_last
@@ -66,12 +63,7 @@ class ComputeScheduler:
         self._admin: list[tuple] = []
         self._seq = itertools.count()
         self._closed = False
-        self._running: tuple[str, float] | None = None
-        self._ewma: dict[str, float] = {}
-        self._best_service_s = 0.0
-        self._last_done = time.monotonic()
-        self.busy_s = 0.0
-        self.tasks_run = 0
+        self._estimator = ReadinessEstimator(fused_last=fused_last, now=time.monotonic(), config=readiness)
         self._thread = threading.Thread(target=self._work, name="stage-compute", daemon=True)
         self._thread.start()
 
@@ -122,27 +114,31 @@ class ComputeScheduler:
     @property
     def service_s(self) -> float:
         """Compute seconds per microbatch (forward + backward), 0 until measured."""
-        e = self._ewma
-        if self._fused_last:
-            return e.get("loss", 0.0)
-        return e.get("forward", 0.0) + e.get("backward", 0.0)
-
-    def readiness(self) -> dict:
-        """queue_depth, backlog_s, service_s and holding, as replies and the DHT record carry them."""
         with self._cond:
-            tasks = self.policy.tasks()
-            backlog = sum(self._ewma.get(t.kind, 0.0) for t in tasks)
-            depth = len(tasks)
-            if self._running is not None:
-                kind, since = self._running
-                backlog += max(0.0, self._ewma.get(kind, 0.0) - (time.monotonic() - since))
-                depth += 1
-            idle = depth == 0 and time.monotonic() - self._last_done > IDLE_OPTIMISM_S
-        service = self._best_service_s if idle and self._best_service_s > 0 else self.service_s
+            return self._estimator.service_s
+
+    @property
+    def busy_s(self) -> float:
+        """Compute seconds of all tasks run so far (slowdown included)."""
+        with self._cond:
+            return self._estimator.busy_s
+
+    @property
+    def tasks_run(self) -> int:
+        """Tasks run so far (bookkeeping calls not counted)."""
+        with self._cond:
+            return self._estimator.tasks_run
+
+    def readiness(self, now: float | None = None) -> dict:
+        """queue_depth, backlog_s, service_s and holding, as replies and the DHT record carry
+        them; `now` (monotonic seconds) defaults to the present."""
+        with self._cond:
+            queued = [t.kind for t in self.policy.tasks()]
+            report = self._estimator.report(queued, time.monotonic() if now is None else now)
         return {
-            "queue_depth": depth,
-            "backlog_s": round(backlog, 6),
-            "service_s": round(service, 6),
+            "queue_depth": report.queue_depth,
+            "backlog_s": round(report.backlog_s, 6),
+            "service_s": round(report.service_s, 6),
             "holding": self._holding(),
         }
 
@@ -157,7 +153,7 @@ class ComputeScheduler:
                     return None, self._admin.pop(0)
                 task = self.policy.pop(self._holding(), time.monotonic())
                 if task is not None:
-                    self._running = (task.kind, time.monotonic())
+                    self._estimator.started(task.kind, time.monotonic())
                     return task, self._items.pop(task.seq)
                 self._cond.wait(IDLE_POLL_S if len(self.policy) else None)
 
@@ -179,16 +175,7 @@ class ComputeScheduler:
                     time.sleep((factor - 1) * elapsed)
                     elapsed *= factor
                 with self._cond:
-                    old = self._ewma.get(task.kind)
-                    self._ewma[task.kind] = elapsed if old is None else old + SERVICE_ALPHA * (elapsed - old)
-                    self.busy_s += elapsed
-                    self.tasks_run += 1
-                    self._running = None
-                    self._last_done = time.monotonic()
-                    known = self._fused_last or {"forward", "backward"} <= self._ewma.keys()
-                    service = self.service_s
-                    if known and (self._best_service_s == 0 or service < self._best_service_s):
-                        self._best_service_s = service
+                    self._estimator.finished(elapsed, time.monotonic())
             try:
                 loop.call_soon_threadsafe(_resolve, future, result, error)
             except RuntimeError:  # the loop closed while we computed

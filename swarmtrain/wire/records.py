@@ -324,7 +324,7 @@ class RunManifest:
             last = self.num_stages - 1
             raise ConfigError(
                 f"stage {stage} is out of range: run {self.run_id!r} has stages 0..{last}; "
-                f"give --stage 0..{last}, or leave --stage out to take the stage with the fewest peers"
+                f"give --stage 0..{last}, or leave --stage out to take the stage that needs a peer most"
             )
         return self.stage_bounds[stage], self.stage_bounds[stage + 1]
 

@@ -1,4 +1,4 @@
-"""The per-block cost model against hand-derived formulas for tiny-gpt.
+"""Tracing a model's per-block costs, against hand-derived formulas for tiny-gpt.
 
 Per token, with width d, sequence length T, H heads and vocabulary V, a tiny-gpt block's
 matmuls are: c_attn 3d^2, c_proj d^2, c_fc 4d^2 and the MLP's c_proj 4d^2 multiply-adds
@@ -16,7 +16,7 @@ import pytest
 
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
-from swarmtrain.model.costs import block_costs, measure_block_seconds
+from swarmtrain.model.tracing import block_costs, measure_block_seconds
 
 CONFIG = {"n_layer": 4, "d_model": 64, "n_head": 4, "seq_len": 32}
 D, T, H, V = 64, 32, 4, 256
@@ -70,13 +70,13 @@ def test_state_bytes(records, model):
     assert block == 12 * D * D + 13 * D  # weights, biases and two LayerNorms
     r = records[1]
     assert r.param_count == block
-    assert r.param_bytes == 4 * block and r.grad_bytes == 4 * block
+    assert r.weight_bytes == 4 * block and r.grad_bytes == 4 * block
     assert r.optimizer_bytes == 8 * block  # AdamW: two fp32 moments
     assert r.state_bytes == 16 * block
     sgd = block_costs("tiny-gpt", CONFIG, microbatch_size=1, optimizer="sgd")[1]
     assert sgd.optimizer_bytes == 4 * block  # one momentum buffer
     bf16 = block_costs("tiny-gpt", CONFIG, microbatch_size=1, dtype_bytes=2)[1]
-    assert bf16.param_bytes == 2 * block and bf16.grad_bytes == 2 * block
+    assert bf16.weight_bytes == 2 * block and bf16.grad_bytes == 2 * block
     assert bf16.optimizer_bytes == 12 * block  # + fp32 master weights
     assert bf16.boundary_bytes_per_token == 2 * D
 

@@ -1,9 +1,11 @@
-"""The capacity model: what a block costs, what a peer offers, and what a stage replica achieves.
+"""The planner's cost model (pure, analytic): what a block costs, what a peer offers, and
+what a stage replica achieves. The figures for a real model come from tracing it
+(`swarmtrain.model.tracing`).
 
 A stage is a contiguous span of blocks [i, j). For one replica of it on peer p:
 
     flops/token    F(i, j) = sum of the blocks' flops_per_token (forward + backward)
-    memory         M(i, j) = sum of (param_bytes + optimizer_bytes)
+    memory         M(i, j) = sum of (weight_bytes + grad_bytes + optimizer_bytes)
                              + sum of activation_bytes_per_token * tokens_in_flight
     traffic/token  B(i, j) = 2 * (boundary bytes of block i-1, unless i == 0
                                   + boundary bytes of block j-1, unless j == num_blocks)
@@ -18,8 +20,7 @@ loss) are negligible. A pipeline runs at the rate of its slowest stage.
 A stage with R replicas of summed rate r_sum averages its gradients at every optimizer step
 (an all-reduce among the replicas), so with `tokens_per_step` tokens per step:
 
-    gradient bytes G(i, j) = sum of param_bytes / 2   (param_bytes counts weights + gradients,
-                                                       assumed the same size)
+    gradient bytes G(i, j) = sum of grad_bytes
     averaging      A = 0 if R == 1, else averaging_overhead_s + 2 G (R - 1) / R / bw_min
     step time      T = tokens_per_step / r_sum + A
     stage rate       = tokens_per_step / T = r_sum / (1 + r_sum A / tokens_per_step)
@@ -52,8 +53,10 @@ class BlockCost:
 
     flops_per_token: float
     """Forward + backward FLOPs the block spends per token."""
-    param_bytes: float
-    """Bytes of the block's weights and their gradients."""
+    weight_bytes: float
+    """Bytes of the block's weights alone."""
+    grad_bytes: float
+    """Bytes of the block's gradients: what its replicas average at every optimizer step."""
     optimizer_bytes: float
     """Bytes of the block's optimizer state (e.g. fp32 master weights and Adam moments)."""
     activation_bytes_per_token: float
@@ -64,7 +67,8 @@ class BlockCost:
     def __post_init__(self):
         _check_number("BlockCost", "flops_per_token", self.flops_per_token, positive=True)
         for name in (
-            "param_bytes",
+            "weight_bytes",
+            "grad_bytes",
             "optimizer_bytes",
             "activation_bytes_per_token",
             "boundary_bytes_per_token",
@@ -176,8 +180,8 @@ class CostModel:
         self.grad = [0.0]
         for c in costs:
             self.flops.append(self.flops[-1] + c.flops_per_token)
-            self.grad.append(self.grad[-1] + c.param_bytes / 2.0)
-            state = c.param_bytes + c.optimizer_bytes
+            self.grad.append(self.grad[-1] + c.grad_bytes)
+            state = c.weight_bytes + c.grad_bytes + c.optimizer_bytes
             self.memory.append(
                 self.memory[-1] + state + c.activation_bytes_per_token * config.tokens_in_flight
             )
@@ -198,7 +202,7 @@ class CostModel:
         return 2.0 * (inbound + outbound)
 
     def stage_grad_bytes(self, start: int, stop: int) -> float:
-        """Gradient bytes a replica of blocks [start, stop) averages: half their param_bytes."""
+        """Gradient bytes a replica of blocks [start, stop) averages: the sum of their grad_bytes."""
         return self.grad[stop] - self.grad[start]
 
     def replica_rate(self, peer: PeerCapacity, start: int, stop: int) -> float:
@@ -249,7 +253,7 @@ def transformer_block_cost(
     - parameters: 12 d^2 (4 d^2 attention projections, 8 d^2 MLP; biases and norms ignored)
     - FLOPs/token, forward + backward: 3 x (2 x 12 d^2 + 2 T d) = 72 d^2 + 6 T d
       (Kaplan et al. 2020: forward 2N + 2 n_ctx d per layer; backward twice the forward)
-    - param_bytes: weights and gradients, `bytes_per_param` each (2 + 2 for bf16)
+    - weight_bytes, grad_bytes: `bytes_per_param` each per parameter (2 for bf16)
     - optimizer_bytes: `optimizer_bytes_per_param` (12: fp32 master weights + Adam m, v)
     - activations kept for backward: 34 d bytes/token by default (Korthikanti et al. 2022,
       16-bit, flash attention so no T x T scores stored, no recomputation)
@@ -258,7 +262,8 @@ def transformer_block_cost(
     params = 12.0 * d_model * d_model
     return BlockCost(
         flops_per_token=72.0 * d_model * d_model + 6.0 * seq_len * d_model,
-        param_bytes=2.0 * bytes_per_param * params,
+        weight_bytes=bytes_per_param * params,
+        grad_bytes=bytes_per_param * params,
         optimizer_bytes=optimizer_bytes_per_param * params,
         activation_bytes_per_token=34.0 * d_model
         if activation_bytes_per_token is None

@@ -1,4 +1,6 @@
-"""What each block of a model costs a stage that holds it, measured from the module itself.
+"""Tracing a real model: what each of its blocks costs a stage that holds it, measured from
+the module itself (torch, meta device). The planner's analytic model of those costs is
+`swarmtrain.plan.cost_model`; `swarmtrain.train.placement` feeds it these records.
 
 `block_costs` traces every part of a registered model on the meta device (no memory, no
 compute, any model size) for one microbatch, forward and backward:
@@ -56,8 +58,8 @@ class BlockCostRecord:
     """Matmul FLOPs of the backward pass per token (gradients of inputs and of weights)."""
     param_count: int
     """Parameters of the parts."""
-    param_bytes: int
-    """Bytes of the weights alone, `dtype_bytes` each."""
+    weight_bytes: int
+    """Bytes of the weights alone, `dtype_bytes` each (gradients are `grad_bytes`)."""
     grad_bytes: int
     """Bytes of the weights' gradients, `dtype_bytes` per trainable parameter."""
     optimizer_bytes: int
@@ -75,7 +77,7 @@ class BlockCostRecord:
     @property
     def state_bytes(self) -> int:
         """Weights, gradients and optimizer state: the memory the block costs whatever the batch."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
 
 # tracing
@@ -176,7 +178,7 @@ def _record(
         forward_flops_per_token=sum(t.forward_flops for *_, t in parts) / tokens,
         backward_flops_per_token=sum(t.backward_flops for *_, t in parts) / tokens,
         param_count=count,
-        param_bytes=dtype_bytes * count,
+        weight_bytes=dtype_bytes * count,
         grad_bytes=dtype_bytes * trainable,
         optimizer_bytes=4 * states * trainable,
         activation_bytes_per_token=sum(t.saved_bytes for *_, t in parts) / tokens,
