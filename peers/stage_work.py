@@ -74,9 +74,9 @@ class StageWork:
         peer = self.peer
         runner, manifest = peer.runner, peer.manifest
         started = time.monotonic()
-        x, targets = frame.tensors.get("x"), frame.tensors.get("targets")
-        if x is None or targets is None:
-            raise BadFrameError("a forward frame needs tensors 'x' and 'targets'")
+        x, targets = frame.tensors.get("x"), {k: t for k, t in frame.tensors.items() if k != "x"}
+        if x is None:
+            raise BadFrameError("a forward frame needs tensor 'x' and the loss inputs")
         runner.check_inputs(x, targets)
         meta = frame.meta
         loss_scale, budget_s, order = meta.get("loss_scale"), meta.get("budget_s"), meta.get("order", 0)
@@ -197,7 +197,7 @@ class StageWork:
                 mb_id=frame.mb_id,
                 stage=nxt,
                 step=frame.step,
-                tensors={"x": out, "targets": targets},
+                tensors={"x": out, **targets},
                 codecs={} if codec == "none" else {"x": codec},
                 meta=dict(
                     frame.meta, budget_s=remaining, replay=bool(frame.meta.get("replay")) or replays > 0
