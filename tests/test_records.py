@@ -238,6 +238,19 @@ def test_manifest_loss():
             RunManifest.from_dict(data | {"loss": bad})
 
 
+def test_the_coordinator_publishes_the_loss_it_checked():
+    from swarmtrain.peers.coordinator import CoordinatorConfig, make_manifest
+
+    small = {"n_layer": 2, "d_model": 32}
+    m = make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="weighted_cross_entropy"))
+    assert m.loss == "weighted_cross_entropy"
+    assert make_manifest(CoordinatorConfig(model_config=small, num_stages=2)).loss is None
+    with pytest.raises(ConfigError, match=r"unknown loss 'grpo': registered losses are 'cross_entropy'"):
+        make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="grpo"))
+    with pytest.raises(ConfigError, match=r"invalid loss name 'bad name'.*--loss cross_entropy"):
+        CoordinatorConfig(loss="bad name")
+
+
 def test_compression_config_in_the_manifest():
     assert manifest().compression == CompressionConfig()  # none everywhere by default
     assert not CompressionConfig().is_enabled
