@@ -109,7 +109,7 @@ def _pipeline_loss(stages, x: Tensor, y: Tensor, setting: Setting, feedback: Err
         if k:
             x = Boundary.apply(x, setting, feedback, f"boundary{k}")
         x = stage(x)
-    return stages[-1].loss(x, y)
+    return stages[-1].loss(x, {"targets": y})
 
 
 def train(setting: Setting, *, steps: int, num_stages: int, seed: int, text: bytes) -> dict:

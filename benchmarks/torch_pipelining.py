@@ -154,7 +154,7 @@ def _worker(rank: int, config: PipeliningConfig, store_path: str, out_dir: str) 
 
         def loss_fn(output: Tensor, targets: Tensor) -> Tensor:  # the last rank's: the model's loss
             clock.forward_begin()
-            loss = _BackwardMark.apply(stage.loss(output, targets), clock)
+            loss = _BackwardMark.apply(stage.loss(output, {"targets": targets}), clock)
             clock.forward_end()
             return loss
 

@@ -129,6 +129,14 @@ def coordinator(
         bool,
         typer.Option(help="Gradient and averaging codecs carry what they rounded away into the next send."),
     ] = True,
+    loss: Annotated[
+        str | None,
+        typer.Option(
+            help="Loss the last stage computes, by registered name: cross_entropy, weighted_cross_entropy "
+            "(each microbatch also carries per-token 'weights'), or one the model's module registers.",
+            show_default="the model's own (tiny-gpt: cross_entropy)",
+        ),
+    ] = None,
     host: Host = "127.0.0.1",
     port: Port = 0,
     dashboard_port: Annotated[
@@ -181,6 +189,7 @@ def coordinator(
                 averaging=compress_averaging,
                 error_feedback=error_feedback,
             ),
+            loss=loss,
             dashboard=None
             if dashboard_port is None
             else DashboardConfig(host=dashboard_host, port=dashboard_port),
@@ -193,6 +202,8 @@ def coordinator(
             )
             if m.compression.is_enabled:
                 typer.echo(f"compression: {m.compression.describe()}")
+            if m.loss is not None:
+                typer.echo(f"loss: {m.loss}")
             typer.echo(f"peer address: {coord.address}")
             typer.echo(f"join with:    swarmtrain join --initial-peers {coord.address}")
             if coord.dashboard is not None:

@@ -22,6 +22,7 @@ from swarmtrain.wire.records import (
     OptimizerConfig,
     PeerRecord,
     RunManifest,
+    check_loss_name,
     check_run_id,
     even_split,
 )
@@ -54,6 +55,8 @@ class CoordinatorConfig:
     """How peers order work and route microbatches: 'readiness' or 'static' (the baseline)."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     """Codecs of activations, gradients and replica averaging on the wire (default: none)."""
+    loss: str | None = None
+    """The loss the last stage computes, by registered name (e.g. 'weighted_cross_entropy'); None: the model's own."""
     republish_s: float = 10.0
     """Seconds between republications of the manifest."""
     dashboard: DashboardConfig | None = None
@@ -61,13 +64,17 @@ class CoordinatorConfig:
 
     def __post_init__(self):
         check_run_id(self.run_id)
+        if self.loss is not None:
+            check_loss_name(self.loss)
         if self.republish_s <= 0:
             raise ConfigError(f"republish_s must be > 0, got {self.republish_s}")
 
 
 def make_manifest(config: CoordinatorConfig) -> RunManifest:
-    """The run's manifest; builds the model on the meta device to count its blocks."""
+    """The run's manifest; builds the model on the meta device to count its blocks and to
+    check that the loss is registered and fits the model's output (ConfigError otherwise)."""
     model = build_model(config.model, config.model_config, device="meta")
+    model.loss_input_specs(config.loss)
     return RunManifest(
         run_id=config.run_id,
         model=config.model,
@@ -80,6 +87,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         max_steps=config.max_steps,
         schedule=config.schedule,
         compression=config.compression,
+        loss=config.loss,
     )
 
 

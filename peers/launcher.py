@@ -41,6 +41,8 @@ class LocalSwarmConfig:
     """'readiness' or 'static' (the run manifest's schedule)."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     """Codecs on the wire (the run manifest's compression)."""
+    loss: str | None = None
+    """The run's loss by registered name (the run manifest's loss); None: the model's own."""
     host: str = "127.0.0.1"
     """Address every peer listens on."""
     coordinator_port: int = 0
@@ -154,6 +156,7 @@ class LocalSwarm:
                 "--compress-gradients", cfg.compression.gradients,
                 "--compress-averaging", cfg.compression.averaging,
                 "--error-feedback" if cfg.compression.error_feedback else "--no-error-feedback",
+                *_optional("--loss", cfg.loss),
                 "--host", cfg.host,
                 "--port", str(cfg.coordinator_port),
                 "--address-file", str(address_file),

@@ -223,6 +223,7 @@ class StagePeer:
             end,
             num_blocks=manifest.num_blocks,
             seed=manifest.seed,
+            loss=manifest.loss,
             device=self.config.device,
         )
         self.stage = stage

@@ -3,12 +3,12 @@
 The public API, importable from the top level (loaded on first use, so `import swarmtrain`
 stays cheap):
 
-- models: `SwarmModel`, `register_builder`, `build_model`, `build_stage`, `GPTConfig`
+- models: `SwarmModel`, `register_builder`, `register_loss`, `build_model`, `build_stage`, `GPTConfig`
 - roles: `Coordinator` / `CoordinatorConfig`, `StagePeer` / `StageConfig`,
   `Trainer` / `TrainerConfig`, and `LocalSwarm` / `LocalSwarmConfig` for a whole swarm
   on this machine
 - settings: `NodeConfig`, `OptimizerConfig`, `BatchConfig`, `CompressionConfig`, `RunManifest`
-- data: `TokenBatches`, `load_text`
+- data: `TokenBatches`, `load_text`, `loss_inputs_of`
 """
 
 from importlib import import_module
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "SwarmModel": "swarmtrain.model",
     "register_builder": "swarmtrain.model",
+    "register_loss": "swarmtrain.model",
     "build_model": "swarmtrain.model",
     "build_stage": "swarmtrain.model",
     "GPTConfig": "swarmtrain.model",
@@ -37,6 +38,7 @@ _EXPORTS = {
     "RunManifest": "swarmtrain.wire.records",
     "TokenBatches": "swarmtrain.train.data",
     "load_text": "swarmtrain.train.data",
+    "loss_inputs_of": "swarmtrain.train.data",
 }
 
 __all__ = ["__version__", *_EXPORTS]

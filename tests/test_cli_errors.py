@@ -154,6 +154,11 @@ CASES = {
             "give one codec",
         ),
     ),
+    "loss-unknown": Case(
+        ("coordinator", "--loss", "grpo"),
+        ("unknown loss 'grpo'", "'cross_entropy', 'weighted_cross_entropy'", "--loss"),
+    ),
+    "loss-invalid": Case(("coordinator", "--loss", "bad name"), ("invalid loss name 'bad name'", "--loss")),
     "demo-compress-unknown": Case(
         ("demo", "--compress", "zstd"), ("unknown codec 'zstd' for --compress: choose one of none, fp16",)
     ),

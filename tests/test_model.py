@@ -15,10 +15,13 @@ from swarmtrain.model import (
     SwarmModel,
     build_model,
     build_stage,
+    get_loss,
     part_seed,
+    register_loss,
+    registered_losses,
     resolve_builder,
 )
-from swarmtrain.train.data import TokenBatches, load_text, stdlib_text
+from swarmtrain.train.data import TokenBatches, load_text, loss_inputs_of, stdlib_text
 from swarmtrain.train.reference import stage_state_dict, train_reference
 from swarmtrain.wire.records import OptimizerConfig
 
@@ -60,6 +63,24 @@ def tiny_mlp(width: int = 8, depth: int = 2) -> SwarmModel:
         input_dtype=torch.float32,
         target_shape=(1,),
         target_dtype=torch.float32,
+    )
+
+
+# A loss registered beside its builder, as a model's module does: every peer that builds the
+# model ('tests.test_model:masked_mlp') knows the loss a manifest names.
+@register_loss("test_masked_mse", inputs=lambda out: {"targets": out, "mask": (out[0], torch.float32)})
+def masked_mse(output: torch.Tensor, inputs) -> torch.Tensor:
+    return ((output - inputs["targets"]) ** 2 * inputs["mask"]).mean()
+
+
+def masked_mlp(width: int = 8, depth: int = 2) -> SwarmModel:
+    return SwarmModel(
+        embed=nn.Linear(4, width),
+        blocks=[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)],
+        head=nn.Linear(width, 3),
+        loss="test_masked_mse",
+        input_shape=(4,),
+        input_dtype=torch.float32,
     )
 
 
@@ -118,9 +139,10 @@ def test_stage_chain_matches_full_model():
         for stage in stages:
             h = stage(h)
         assert torch.equal(h, model(x))
-        assert torch.equal(stages[-1].loss(h, y), model(x, y))
+        assert torch.equal(stages[-1].loss(h, {"targets": y}), model(x, y))
+        assert torch.equal(model(x, {"targets": y}), model(x, y))
     with pytest.raises(ValueError, match="computes no loss"):
-        stages[0].loss(h, y)
+        stages[0].loss(h, {"targets": y})
 
 
 @pytest.mark.parametrize(
@@ -137,7 +159,7 @@ def test_stage_specs(start, end, inp, out):
     assert (stage.is_first, stage.is_last) == (start == 0, end == 4)
     assert stage.input_spec(B) == inp
     assert stage.output_spec(B) == out
-    assert stage.target_spec(B) == ((B, T), torch.int64)
+    assert stage.loss_input_specs(B) == {"targets": ((B, T), torch.int64)}
     shape, dtype = inp
     x = torch.randint(0, V, shape) if dtype == torch.int64 else torch.randn(shape)
     with torch.no_grad():
@@ -243,3 +265,230 @@ def test_reference_training_reduces_loss():
     assert sum(result.losses[-5:]) / 5 < result.losses[0] - 1.0
     assert "block.3.attn.c_attn.weight" in result.state and "head.lm_head.weight" in result.state
     assert result.state.keys() == keyed_state(full_model(0)).keys()
+
+
+# named loss inputs
+
+
+def mlp(**loss_args) -> SwarmModel:
+    """A small float model with a (3,) per-sample output and the loss arguments given."""
+    return SwarmModel(
+        embed=nn.Linear(4, 8),
+        blocks=[nn.Linear(8, 8)],
+        head=nn.Linear(8, 3),
+        input_shape=(4,),
+        input_dtype=torch.float32,
+        **loss_args,
+    )
+
+
+def test_registered_losses_and_their_inputs():
+    assert {"cross_entropy", "weighted_cross_entropy"} <= set(registered_losses())
+    assert registered_losses() == sorted(registered_losses())
+    model = build_model(GPT, CFG)
+    assert model.output_spec() == ((T, V), torch.float32)
+    assert model.loss_fn is get_loss("cross_entropy")  # tiny-gpt's own loss
+    assert model.loss_input_specs() == {"targets": ((T,), torch.int64)}
+    assert model.loss_input_specs("weighted_cross_entropy") == {
+        "targets": ((T,), torch.int64),
+        "weights": ((T,), torch.float32),
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown loss 'grpo': registered losses are 'cross_entropy', .*'weighted_cross_entropy' "
+        r"\(--loss\); register another with @register_loss",
+    ):
+        model.loss_input_specs("grpo")
+    with pytest.raises(ConfigError, match="unknown loss 'grpo'"):
+        build_stage(GPT, CFG, 0, 2, seed=0, loss="grpo")
+
+
+def test_weighted_cross_entropy_against_a_hand_computation():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(B, T, V, generator=gen)
+    y = torch.randint(0, V, (B, T), generator=gen)
+    w = 2 * torch.rand(B, T, generator=gen)
+    w[0, :5] = 0.0
+    # By hand: each position's -log softmax at its target, times its weight, averaged over all B*T.
+    total = 0.0
+    for b in range(B):
+        for t in range(T):
+            z = logits[b, t].double().tolist()
+            nll = math.log(sum(math.exp(v) for v in z)) - z[y[b, t]]
+            total += w[b, t].item() * nll
+    weighted, plain = get_loss("weighted_cross_entropy"), get_loss("cross_entropy")
+    assert weighted(logits, {"targets": y, "weights": w}).item() == pytest.approx(total / (B * T), rel=1e-6)
+    ones = weighted(logits, {"targets": y, "weights": torch.ones(B, T)})
+    torch.testing.assert_close(ones, plain(logits, {"targets": y}), rtol=1e-6, atol=0)
+    # A classifier's (B, C) scores take one class id per sample.
+    scores, labels = logits[:, 0], y[:, 0]
+    torch.testing.assert_close(
+        plain(scores, {"targets": labels}), nn.functional.cross_entropy(scores, labels), rtol=0, atol=0
+    )
+
+
+def test_a_stage_chain_computes_the_weighted_loss_of_the_full_model():
+    model = full_model(3)
+    stages = [
+        build_stage(GPT, CFG, a, b, num_blocks=4, seed=3, loss="weighted_cross_entropy").eval()
+        for a, b in ((0, 1), (1, 4))
+    ]
+    for stage in stages:
+        assert stage.loss_input_specs(B) == {
+            "targets": ((B, T), torch.int64),
+            "weights": ((B, T), torch.float32),
+        }
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (B, T), generator=gen)
+    inputs = {
+        "targets": torch.randint(0, V, (B, T), generator=gen),
+        "weights": torch.rand(B, T, generator=gen),
+    }
+    with torch.no_grad():
+        out = stages[1](stages[0](x))
+        expected = model.resolve_loss("weighted_cross_entropy")(model(x), inputs)
+        assert torch.equal(stages[1].loss(out, inputs), expected)
+        assert not torch.equal(expected, model(x, inputs["targets"]))
+        with pytest.raises(ValueError, match=r"missing loss input 'weights': loss 'weighted_cross_entropy'"):
+            stages[1].loss(out, {"targets": inputs["targets"]})
+        with pytest.raises(ValueError, match=r"takes its inputs by name, got a Tensor"):
+            stages[1].loss(out, inputs["targets"])
+
+
+def test_the_three_forms_of_a_model_loss():
+    # 1. loss(output, targets) with target_shape/target_dtype: one input named 'targets'.
+    old = tiny_mlp()
+    assert old.loss_input_specs() == {"targets": ((1,), torch.float32)}
+    assert old.loss_fn.name == "torch.nn.functional.mse_loss"
+    # 2. loss(output, {name: tensor}) over declared named inputs.
+    named = mlp(
+        loss=lambda out, i: ((out - i["targets"]) ** 2 * i["mask"]).mean(),
+        loss_inputs={"targets": ((3,), torch.float32), "mask": ([3], torch.float32)},
+    )
+    assert named.loss_input_specs() == {"targets": ((3,), torch.float32), "mask": ((3,), torch.float32)}
+    # 3. a registered name: its inputs derive from the head's output.
+    assert mlp(loss="cross_entropy").loss_input_specs() == {"targets": ((), torch.int64)}
+    for model in (named, mlp(loss="test_masked_mse")):
+        model.to_empty(device="cpu")
+        model.reset_parameters(0)
+        x, t, mask = torch.randn(5, 4), torch.randn(5, 3), torch.ones(5, 3)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x, {"targets": t, "mask": mask}), ((model(x) - t) ** 2).mean())
+            with pytest.raises(
+                ValueError, match=r"takes named inputs \['mask', 'targets'\], not one targets tensor"
+            ):
+                model(x, t)
+            with pytest.raises(ValueError, match=r"unknown loss input 'weights'"):
+                model(x, {"targets": t, "mask": mask, "weights": mask})
+    stage = build_stage("tests.test_model:masked_mlp", {}, 1, 2, seed=0)
+    assert stage.loss_input_specs(5) == {"targets": ((5, 3), torch.float32), "mask": ((5, 3), torch.float32)}
+
+
+def test_a_model_loss_given_wrongly_says_how_to_give_it():
+    fn = nn.functional.mse_loss
+    specs = {"targets": ((3,), torch.float32)}
+    cases = [
+        ({"loss": "cross_entropy", "target_shape": (), "target_dtype": torch.int64}, "registered with its own inputs"),
+        ({"loss": fn, "loss_inputs": specs, "target_shape": (3,), "target_dtype": torch.float32}, "not both"),
+        ({"loss": fn}, "give either loss_inputs"),
+        ({"loss": fn, "target_shape": (3,)}, "give either loss_inputs"),
+        ({"loss": 5}, "a registered loss name or a callable, got int"),
+        ({"loss": "nope"}, "unknown loss 'nope'"),
+        ({"loss": fn, "loss_inputs": {"x": ((3,), torch.float32)}}, "name 'x' must be a Python identifier other than 'x' and 'grad'"),
+        ({"loss": fn, "loss_inputs": {"a b": ((3,), torch.float32)}}, "name 'a b' must be a Python identifier"),
+        ({"loss": fn, "loss_inputs": {"t": ((0,), torch.float32)}}, r"shape \(0,\); dims must be integers >= 1"),
+        ({"loss": fn, "loss_inputs": {"t": (torch.float32,)}}, r"give \(per-sample shape, dtype\)"),
+        ({"loss": fn, "loss_inputs": {"t": ((3,), "float32")}}, "dtype 'float32', not a torch.dtype"),
+        ({"loss": fn, "loss_inputs": [("t", ((3,), torch.float32))]}, "must map names to"),
+    ]  # fmt: skip
+    for args, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            mlp(**args)
+
+
+def test_a_loss_that_does_not_fit_the_model_or_a_bad_registration_is_refused():
+    scalar = "tests.test_model:scalar_mlp"
+    assert build_model(scalar, {}).loss_input_specs() == {"targets": ((), torch.float32)}
+    with pytest.raises(ConfigError, match=r"loss 'cross_entropy' needs class scores on the last dim"):
+        build_stage(scalar, {}, 0, 1, seed=0, loss="cross_entropy")
+    with pytest.raises(
+        ConfigError, match=r"'cross_entropy' is already registered to swarmtrain.model.losses.cross_entropy"
+    ):
+        register_loss("cross_entropy", inputs={})(masked_mse)
+    assert register_loss("test_masked_mse", inputs={})(masked_mse) is masked_mse  # the same function again
+    for bad in ("bad name", "", "1st", "a" * 65):
+        with pytest.raises(ConfigError, match="invalid loss name"):
+            register_loss(bad, inputs={})
+    with pytest.raises(ConfigError, match="loss 'fine': loss input name 'grad'"):
+        register_loss("fine", inputs={"grad": ((1,), torch.float32)})
+
+
+def scalar_mlp() -> SwarmModel:
+    """One number per sample: fits an MSE on () targets, not a cross-entropy."""
+    return SwarmModel(
+        embed=nn.Linear(4, 8),
+        blocks=[nn.Linear(8, 8)],
+        head=nn.Sequential(nn.Linear(8, 1), nn.Flatten(0)),  # (B, 1) -> (B,)
+        loss=nn.functional.mse_loss,
+        input_shape=(4,),
+        input_dtype=torch.float32,
+        target_shape=(),
+        target_dtype=torch.float32,
+    )
+
+
+def test_loss_inputs_of_normalises_both_microbatch_forms():
+    x, y, w = torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64), torch.ones(2)
+    got_x, got = loss_inputs_of((x, y))
+    assert got_x is x and list(got) == ["targets"] and got["targets"] is y
+    named = {"targets": y, "weights": w}
+    got_x, got = loss_inputs_of([x, named])
+    assert got_x is x and got == named and got is not named  # a copy: the caller's dict stays as it was
+    cases = [
+        (x, "got a Tensor"),
+        ((x,), "got a tuple of 1"),
+        ((x, y, w), "got a tuple of 3"),
+        (([0.0], y), "the inputs are a list, not a tensor"),
+        ((x, [y]), "the second item is a list"),
+        ((x, {1: y}), "loss input names must be strings, got 1"),
+        ((x, {"targets": [1]}), "loss input 'targets' is a list, not a tensor"),
+    ]
+    for item, match in cases:
+        with pytest.raises(
+            ConfigError,
+            match=rf"each microbatch must be \(inputs, targets\) or \(inputs, {{name: tensor}}\).*{match}",
+        ):
+            loss_inputs_of(item)
+
+
+def test_reference_takes_named_inputs_and_the_run_loss():
+    def data(weights):
+        for x, y in TokenBatches(stdlib_text(2**18), seq_len=T, microbatch_size=2, seed=0):
+            yield x, {"targets": y, "weights": weights(y)}
+
+    common = dict(
+        model=GPT,
+        model_config=CFG,
+        seed=0,
+        optimizer=OptimizerConfig(name="sgd", lr=0.5),
+        steps=2,
+        microbatches_per_step=2,
+    )
+    plain = train_reference(
+        batches=TokenBatches(stdlib_text(2**18), seq_len=T, microbatch_size=2, seed=0), **common
+    )
+    ones = train_reference(
+        batches=data(lambda y: torch.ones(y.shape)), loss="weighted_cross_entropy", **common
+    )
+    halves = train_reference(
+        batches=data(lambda y: torch.full(y.shape, 0.5)), loss="weighted_cross_entropy", **common
+    )
+    assert ones.losses == pytest.approx(plain.losses, rel=1e-6)
+    assert halves.losses[0] == pytest.approx(plain.losses[0] / 2, rel=1e-6)  # same start, half the loss
+    assert 2 * halves.losses[1] > ones.losses[1]  # half the gradient: it learned less in step 0
+    with pytest.raises(ValueError, match="missing loss input 'weights'"):
+        train_reference(
+            batches=iter(TokenBatches(stdlib_text(2**18), seq_len=T, microbatch_size=2, seed=0)),
+            loss="weighted_cross_entropy",
+            **common,
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import msgpack
 import pytest
@@ -217,6 +218,37 @@ def test_manifest_schedule():
         ConfigError, match=r"unknown schedule 'fifo': choose 'readiness' or 'static' \(--schedule\)"
     ):
         manifest(schedule="fifo")
+
+
+def test_manifest_loss():
+    assert manifest().loss is None  # the model's own loss
+    m = manifest(loss="weighted_cross_entropy")
+    data = msgpack.unpackb(msgpack.packb(m.to_dict(), use_bin_type=True), raw=False)
+    assert data["loss"] == "weighted_cross_entropy"
+    assert RunManifest.from_dict(data) == m and RunManifest.from_dict(data).loss == "weighted_cross_entropy"
+    assert RunManifest.from_dict(manifest().to_dict()).loss is None
+    older = dict(data)
+    del older["loss"]
+    assert RunManifest.from_dict(older).loss is None
+    for bad in ("", "bad name", "1st", "a" * 65, 5, ["cross_entropy"]):
+        with pytest.raises(
+            ConfigError,
+            match=rf"manifest: invalid loss name {re.escape(repr(bad))}: use 1-64 letters.*--loss",
+        ):
+            RunManifest.from_dict(data | {"loss": bad})
+
+
+def test_the_coordinator_publishes_the_loss_it_checked():
+    from swarmtrain.peers.coordinator import CoordinatorConfig, make_manifest
+
+    small = {"n_layer": 2, "d_model": 32}
+    m = make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="weighted_cross_entropy"))
+    assert m.loss == "weighted_cross_entropy"
+    assert make_manifest(CoordinatorConfig(model_config=small, num_stages=2)).loss is None
+    with pytest.raises(ConfigError, match=r"unknown loss 'grpo': registered losses are 'cross_entropy'"):
+        make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="grpo"))
+    with pytest.raises(ConfigError, match=r"invalid loss name 'bad name'.*--loss cross_entropy"):
+        CoordinatorConfig(loss="bad name")
 
 
 def test_compression_config_in_the_manifest():

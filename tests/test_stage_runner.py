@@ -8,7 +8,7 @@ import torch
 
 from swarmtrain.errors import BadFrameError, RemoteError
 from swarmtrain.model import build_model, build_stage
-from swarmtrain.train.data import TokenBatches, stdlib_text
+from swarmtrain.train.data import TokenBatches, loss_inputs_of, stdlib_text
 from swarmtrain.train.reference import stage_state_dict, train_reference
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.wire.records import OptimizerConfig
@@ -30,9 +30,13 @@ def batches(text: bytes, seed: int = 11) -> TokenBatches:
     return TokenBatches(text, seq_len=T, microbatch_size=B, seed=seed)
 
 
-def make_runners(bounds: tuple[int, ...], optimizer: OptimizerConfig = SGD) -> list[StageRunner]:
+def make_runners(
+    bounds: tuple[int, ...], optimizer: OptimizerConfig = SGD, *, loss: str | None = None
+) -> list[StageRunner]:
     return [
-        StageRunner(build_stage(GPT, CFG, a, b, num_blocks=4, seed=SEED), optimizer, microbatch_size=B)
+        StageRunner(
+            build_stage(GPT, CFG, a, b, num_blocks=4, seed=SEED, loss=loss), optimizer, microbatch_size=B
+        )
         for a, b in zip(bounds, bounds[1:], strict=False)
     ]
 
@@ -41,12 +45,12 @@ def run_microbatch(
     runners: list[StageRunner], mb_id: str, x, y, loss_scale: float, *, replay: bool = False
 ) -> float:
     """Forward through every stage, loss and backward on the last, backward back to the first."""
-    h = x
+    h, inputs = loss_inputs_of((x, y))  # y: targets, or {name: tensor}
     for runner in runners[:-1]:
-        runner.check_inputs(h, y)
+        runner.check_inputs(h, inputs)
         h = runner.forward(mb_id, h)
-    runners[-1].check_inputs(h, y)
-    loss, grad = runners[-1].forward_loss_backward(mb_id, h, y, loss_scale, replay=replay)
+    runners[-1].check_inputs(h, inputs)
+    loss, grad = runners[-1].forward_loss_backward(mb_id, h, inputs, loss_scale, replay=replay)
     for runner in reversed(runners[:-1]):
         grad = runner.backward(mb_id, grad, replay=replay)
     assert grad is None  # the first stage takes token ids: no input gradient
@@ -75,13 +79,15 @@ def chain_state(runners: list[StageRunner]) -> dict[str, torch.Tensor]:
     return {k: v for r in runners for k, v in stage_state_dict(r.module).items()}
 
 
-def reference_grads(mbs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Gradients of the whole model, initialised as the reference run does, over one step of `mbs`."""
+def reference_grads(mbs: list[tuple], loss: str | None = None) -> dict[str, torch.Tensor]:
+    """Gradients of the whole model, initialised as the reference run does, over one step of
+    `mbs` ((x, targets) or (x, {name: tensor})) under `loss` (None: the model's own)."""
     net = build_model(GPT, CFG, device="meta")
     net.to_empty(device="cpu")
     net.reset_parameters(SEED)
     for x, y in mbs:
-        (net(x, y) / len(mbs)).backward()
+        value = net(x, y) if loss is None else net.resolve_loss(loss)(net(x), y)
+        (value / len(mbs)).backward()
     return keyed_grads(net.parts())
 
 
@@ -138,7 +144,7 @@ def test_replayed_microbatch_adds_its_gradient_once(text):
     run_microbatch(replayed, "t:0:0", *mbs[0], 1 / M)
     # A replay of the last stage alone, and one whose middle hop failed and was dropped.
     h = mid.forward("t:0:0", first.forward("t:0:0", mbs[0][0]))
-    last.forward_loss_backward("t:0:0", h, mbs[0][1], 1 / M)
+    last.forward_loss_backward("t:0:0", h, {"targets": mbs[0][1]}, 1 / M)
     mid.drop("t:0:0")
     first.drop("t:0:0")
     assert all(r.num_pending == 0 for r in replayed)
@@ -186,8 +192,8 @@ def test_replay_returns_the_same_input_gradient(text):
     first, last = make_runners((0, 2, 4))
     x, y = next(batches(text))
     h = first.forward("t:0:0", x)
-    loss_a, grad_a = last.forward_loss_backward("t:0:0", h, y, 0.5)
-    loss_b, grad_b = last.forward_loss_backward("t:0:0", h, y, 0.5)
+    loss_a, grad_a = last.forward_loss_backward("t:0:0", h, {"targets": y}, 0.5)
+    loss_b, grad_b = last.forward_loss_backward("t:0:0", h, {"targets": y}, 0.5)
     assert loss_a == loss_b and grad_a.shape == (B, T, C)
     assert torch.equal(grad_a, grad_b)
     assert first.backward("t:0:0", grad_a) is None
@@ -244,7 +250,7 @@ def test_non_finite_loss_or_gradient_is_refused_and_adds_nothing(text):
     x, y = next(batches(text))
     h = mid.forward("t:0:0", first.forward("t:0:0", x))
     with pytest.raises(RemoteError, match="non-finite loss") as info:
-        last.forward_loss_backward("t:0:0", torch.full_like(h, float("nan")), y, 1.0)
+        last.forward_loss_backward("t:0:0", torch.full_like(h, float("nan")), {"targets": y}, 1.0)
     assert not info.value.retryable
     with pytest.raises(RemoteError, match="non-finite input gradient"):
         mid.backward("t:0:0", torch.full_like(h, float("inf")))
@@ -264,10 +270,10 @@ def test_check_inputs_rejects_bad_tensors():
     first, mid, last = make_runners((0, 1, 3, 4))
     tokens, targets = torch.zeros(B, T, dtype=torch.int64), torch.zeros(B, T, dtype=torch.int64)
     act = torch.zeros(B, T, C)
-    first.check_inputs(tokens, targets)
-    first.check_inputs(tokens[:1], targets[:1])  # a short batch is fine
-    mid.check_inputs(act, None)
-    last.check_inputs(act, targets)
+    first.check_inputs(tokens, {"targets": targets})
+    first.check_inputs(tokens[:1], {"targets": targets[:1]})  # a short batch is fine
+    mid.check_inputs(act, {"targets": targets})  # a middle stage checks the loss inputs it passes on
+    last.check_inputs(act, {"targets": targets})
     cases = [
         (
             first,
@@ -276,7 +282,7 @@ def test_check_inputs_rejects_bad_tensors():
             r"tensor 'x' has dtype torch.float32, this stage expects torch.int64",
         ),
         (first, tokens.int(), targets, "has dtype torch.int32"),
-        (mid, act.half(), None, r"tensor 'x' has dtype torch.float16, this stage expects torch.float32"),
+        (mid, act.half(), targets, r"tensor 'x' has dtype torch.float16, this stage expects torch.float32"),
         (
             first,
             torch.zeros(B, T + 1, dtype=torch.int64),
@@ -289,24 +295,30 @@ def test_check_inputs_rejects_bad_tensors():
             targets,
             r"has shape \(32,\), this stage expects \('B', 16\)",
         ),
-        (mid, torch.zeros(B, T, C + 1), None, r"has shape \(2, 16, 33\), this stage expects \('B', 16, 32\)"),
-        (mid, torch.zeros(B, T), None, r"tensor 'x' has shape \(2, 16\)"),
+        (
+            mid,
+            torch.zeros(B, T, C + 1),
+            targets,
+            r"has shape \(2, 16, 33\), this stage expects \('B', 16, 32\)",
+        ),
+        (mid, torch.zeros(B, T), targets, r"tensor 'x' has shape \(2, 16\)"),
         (
             first,
             torch.zeros(B + 1, T, dtype=torch.int64),
             targets,
             r"tensor 'x' has batch 3, this run allows 1\.\.2",
         ),
-        (mid, torch.zeros(0, T, C), None, r"has batch 0, this run allows 1\.\.2"),
+        (mid, torch.zeros(0, T, C), targets, r"has batch 0, this run allows 1\.\.2"),
         (last, act, targets.float(), r"tensor 'targets' has dtype torch.float32"),
         (last, act, torch.zeros(B, T + 1, dtype=torch.int64), r"tensor 'targets' has shape \(2, 17\)"),
         (last, act, torch.zeros(B + 1, T, dtype=torch.int64), "tensor 'targets' has batch 3"),
-        (last, act[:1], targets, "targets have batch 2 but x has batch 1"),
-        (first, tokens, targets[:1], "targets have batch 1 but x has batch 2"),
+        (last, act[:1], targets, "loss input 'targets' has batch 2 but x has batch 1"),
+        (first, tokens, targets[:1], "loss input 'targets' has batch 1 but x has batch 2"),
+        (mid, act, targets[:1], "loss input 'targets' has batch 1 but x has batch 2"),
     ]
     for runner, x, y, match in cases:
         with pytest.raises(BadFrameError, match=match):
-            runner.check_inputs(x, y)
+            runner.check_inputs(x, {"targets": y})
 
 
 def test_backward_of_an_unknown_or_dropped_microbatch_raises(text):
@@ -321,7 +333,7 @@ def test_backward_of_an_unknown_or_dropped_microbatch_raises(text):
     with pytest.raises(RemoteError, match="no forward state for microbatch t:0:0"):
         first.backward("t:0:0", torch.zeros_like(h))
     # Backward consumes the forward state: a second backward without a new forward is refused.
-    _, grad = last.forward_loss_backward("t:0:1", first.forward("t:0:1", x), y, 1.0)
+    _, grad = last.forward_loss_backward("t:0:1", first.forward("t:0:1", x), {"targets": y}, 1.0)
     first.backward("t:0:1", grad)
     with pytest.raises(RemoteError, match="no forward state for microbatch t:0:1"):
         first.backward("t:0:1", grad)
@@ -350,3 +362,87 @@ def test_gradient_of_the_wrong_shape_or_dtype_raises(text):
             first.backward(f"t:0:{n}", grad)
     assert mid.num_committed == 0 and first.num_committed == 0
     assert all(not p.grad.any() for r in (first, mid) for p in r.params)
+
+
+def weighted(x: torch.Tensor, y: torch.Tensor, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(x, named inputs) for weighted_cross_entropy: non-trivial weights in [0, 2), a quarter of them 0."""
+    gen = torch.Generator().manual_seed(seed)
+    w = 2 * torch.rand(y.shape, generator=gen)  # (B, T)
+    w[torch.rand(y.shape, generator=gen) < 0.25] = 0.0
+    return x, {"targets": y, "weights": w}
+
+
+@pytest.mark.parametrize("loss", [None, "cross_entropy", "weighted_cross_entropy"])
+def test_named_inputs_through_two_stages_match_the_single_process_model(text, loss):
+    """One step of named microbatches through a 2-stage split: the same losses, bit for bit,
+    and the same gradients as the whole model computing the same loss."""
+    M = 2  # a loss_scale of 1/2 is exact, so the sums can match bit for bit
+    data = batches(text)
+    mbs = [next(data) for _ in range(M)]
+    if loss == "weighted_cross_entropy":
+        mbs = [weighted(x, y, seed=n) for n, (x, y) in enumerate(mbs)]
+    else:
+        mbs = [(x, {"targets": y}) for x, y in mbs]
+    runners = make_runners((0, 2, 4), loss=loss)
+    losses = [run_microbatch(runners, f"t:0:{n}", x, inputs, 1 / M) for n, (x, inputs) in enumerate(mbs)]
+
+    net = build_model(GPT, CFG, device="meta")
+    net.to_empty(device="cpu")
+    net.reset_parameters(SEED)
+    expected = [net.resolve_loss(loss)(net(x), inputs).item() for x, inputs in mbs]
+    assert losses == expected
+    assert_close(chain_grads(runners), reference_grads(mbs, loss), atol=0)
+    assert all(r.num_committed == M for r in runners)
+    # The weighted loss is not the plain one in disguise: its weights change loss and gradients.
+    if loss == "weighted_cross_entropy":
+        plain = [net(x, inputs["targets"]).item() for x, inputs in mbs]
+        assert all(abs(a - b) > 1e-3 for a, b in zip(losses, plain, strict=True))
+
+
+def test_a_loss_input_is_checked_by_name_shape_dtype_batch_and_finiteness(text):
+    """Every stage refuses a microbatch whose named inputs do not fit the run's loss, before any compute."""
+    first, mid, last = make_runners((0, 1, 3, 4), loss="weighted_cross_entropy")
+    x, inputs = weighted(*next(batches(text)), seed=0)
+    act = torch.zeros(B, T, C)
+    good = [(first, x), (mid, act), (last, act)]
+    for runner, h in good:
+        runner.check_inputs(h, inputs)
+    w, y = inputs["weights"], inputs["targets"]
+    takes = r"loss 'weighted_cross_entropy' takes 'targets', 'weights'"
+    nan, inf = w.clone(), w.clone()
+    nan[1, 3], inf[0, 0] = float("nan"), float("-inf")
+    cases = [
+        ({"targets": y}, rf"^missing loss input 'weights': {takes}; give each microbatch as \(inputs, \{{name: tensor\}}\) with these names$"),
+        ({}, rf"missing loss input 'targets', 'weights': {takes}"),
+        (inputs | {"mask": w}, rf"^unknown loss input 'mask': {takes}"),
+        ({"targets": y, "weight": w}, rf"missing loss input 'weights'; unknown loss input 'weight': {takes}"),
+        (inputs | {"weights": w[:, :-1]}, r"tensor 'weights' has shape \(2, 15\), this stage expects \('B', 16\)"),
+        (inputs | {"weights": w.double()}, "tensor 'weights' has dtype torch.float64, this stage expects torch.float32"),
+        (inputs | {"weights": w.long()}, "tensor 'weights' has dtype torch.int64, this stage expects torch.float32"),
+        (inputs | {"targets": y.int()}, "tensor 'targets' has dtype torch.int32, this stage expects torch.int64"),
+        (inputs | {"weights": w[:1]}, "loss input 'weights' has batch 1 but x has batch 2"),
+        (inputs | {"weights": nan}, "loss input 'weights' holds NaN or inf values"),
+        (inputs | {"weights": inf}, "loss input 'weights' holds NaN or inf values"),
+        (inputs | {"weights": w.tolist()}, "loss input 'weights' is a list, not a tensor"),
+    ]  # fmt: skip
+    for runner, h in good:
+        for bad, match in cases:
+            with pytest.raises(BadFrameError, match=match):
+                runner.check_inputs(h, bad)
+    # The default loss takes 'targets' alone.
+    plain = make_runners((0, 4))[0]
+    with pytest.raises(
+        BadFrameError, match=r"unknown loss input 'weights': loss 'cross_entropy' takes 'targets'"
+    ):
+        plain.check_inputs(x, inputs)
+
+
+def test_non_finite_weights_that_skip_the_check_are_refused_and_add_nothing(text):
+    first, last = make_runners((0, 2, 4), loss="weighted_cross_entropy")
+    x, inputs = weighted(*next(batches(text)), seed=0)
+    inputs["weights"][0, 0] = float("nan")
+    with pytest.raises(RemoteError, match="non-finite loss") as info:
+        last.forward_loss_backward("t:0:0", first.forward("t:0:0", x), inputs, 1.0)
+    assert not info.value.retryable
+    assert last.report() == (frozenset(), frozenset())
+    assert all(not p.grad.any() for p in last.params)

@@ -85,6 +85,26 @@ def test_bad_microbatch_fails_the_step_with_a_clear_message(local_swarm):
         assert result.step == 0 and result.loss > 0
 
 
+def test_the_manifest_loss_decides_the_named_inputs_every_stage_checks(local_swarm):
+    """`--loss weighted_cross_entropy` reaches every stage peer through the manifest: stage 0
+    refuses microbatches that carry targets alone, naming the input they lack."""
+    swarm = local_swarm(
+        model_config=TINY_GPT,
+        num_stages=2,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batch=BATCH,
+        loss="weighted_cross_entropy",
+    )
+    with swarm.trainer() as trainer:
+        assert trainer.manifest.loss == "weighted_cross_entropy"
+        with pytest.raises(
+            StepFailedError,
+            match=r"stage 0 rejected .*missing loss input 'weights': loss 'weighted_cross_entropy' takes 'targets', 'weights'",
+        ):
+            next(trainer.train(batches(), steps=1))
+
+
 def test_trainer_for_unknown_run_says_which_runs_exist(local_swarm):
     swarm = local_swarm(run_id="alpha", model_config=TINY_GPT, num_stages=2)
     from swarmtrain.peers.trainer import Trainer, TrainerConfig

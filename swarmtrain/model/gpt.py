@@ -135,12 +135,6 @@ class GPTHead(nn.Module):
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
 
-def gpt_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross-entropy of logits (B, T, V) against token ids (B, T)."""
-    V = logits.size(-1)
-    return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))  # over (B*T, V)
-
-
 def init_gpt_weights(module: nn.Module, *, n_layer: int) -> None:
     """nanoGPT's init: N(0, 0.02) for Linear and Embedding weights, zero biases, residual
     projections at 0.02 / sqrt(2 * n_layer) so the residual stream's variance does not grow with depth."""
@@ -155,17 +149,16 @@ def init_gpt_weights(module: nn.Module, *, n_layer: int) -> None:
 
 @register_builder("tiny-gpt")
 def tiny_gpt(**options) -> SwarmModel:
-    """Build tiny-gpt; `options` are GPTConfig fields. Input and target: (seq_len,) int64 tokens."""
+    """Build tiny-gpt; `options` are GPTConfig fields. Input: (seq_len,) int64 tokens; loss: the
+    registered 'cross_entropy', whose 'targets' are (seq_len,) int64 next tokens."""
     cfg = GPTConfig(**options)
     return SwarmModel(
         embed=GPTEmbed(cfg),
         blocks=[GPTBlock(cfg) for _ in range(cfg.n_layer)],
         head=GPTHead(cfg),
-        loss=gpt_loss,
+        loss="cross_entropy",
         input_shape=(cfg.seq_len,),
         input_dtype=torch.int64,
-        target_shape=(cfg.seq_len,),
-        target_dtype=torch.int64,
         init_weights=functools.partial(init_gpt_weights, n_layer=cfg.n_layer),
     )
 

@@ -7,20 +7,24 @@ only the parts the stage holds, each initialised from its own per-part seed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.model.losses import Loss, SampleSpec
 from swarmtrain.model.registry import build_model
-from swarmtrain.model.swarm_model import EMBED_KEY, HEAD_KEY, SwarmModel, block_key, init_part
-
-SampleSpec = tuple[tuple[int, ...], torch.dtype]
-"""(shape without the batch dim, dtype) of one sample of a tensor."""
-
-_PROBE_BATCH = 2  # batch of the meta probe; 2, not 1, so a part that squeezes the batch dim shows up
+from swarmtrain.model.swarm_model import (
+    EMBED_KEY,
+    HEAD_KEY,
+    PROBE_BATCH,
+    SwarmModel,
+    block_key,
+    init_part,
+    sample_spec,
+)
 
 
 class StageModule(nn.Module):
@@ -29,6 +33,9 @@ class StageModule(nn.Module):
     `forward` maps this stage's input to its output: token ids to activations on the first
     stage, activations to activations in the middle, activations to head outputs on the last
     (a one-stage pipeline maps tokens to logits). Build it with `build_stage`.
+
+    Every stage knows the run's loss and the named inputs it takes, so each can check a
+    microbatch's inputs; only the last computes it.
     """
 
     def __init__(
@@ -37,13 +44,13 @@ class StageModule(nn.Module):
         embed: nn.Module | None,
         blocks: list[nn.Module],
         head: nn.Module | None,
-        loss: Callable[[Tensor, Tensor], Tensor],
+        loss: Loss,
         start: int,
         end: int,
         num_blocks: int,
         input_spec: SampleSpec,
         output_spec: SampleSpec,
-        target_spec: SampleSpec,
+        loss_input_specs: Mapping[str, SampleSpec],
     ):
         super().__init__()
         assert (embed is not None) == (start == 0) and (head is not None) == (end == num_blocks)
@@ -57,7 +64,7 @@ class StageModule(nn.Module):
         self.num_blocks = num_blocks
         self._input_spec = input_spec
         self._output_spec = output_spec
-        self._target_spec = target_spec
+        self._loss_input_specs = dict(loss_input_specs)
 
     @property
     def is_first(self) -> bool:
@@ -85,13 +92,15 @@ class StageModule(nn.Module):
             x = self.head(x)
         return x
 
-    def loss(self, output: Tensor, targets: Tensor) -> Tensor:
-        """The model's loss on this stage's output; only the last stage has the head's output to score."""
+    def loss(self, output: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
+        """The run's loss on this stage's output against the named `inputs` {name: tensor}; only
+        the last stage has the head's output to score (ValueError on any other, or for inputs
+        other than the loss takes)."""
         if not self.is_last:
             raise ValueError(
                 f"stage [{self.start}, {self.end}) is not the last of {self.num_blocks} blocks: it computes no loss"
             )
-        return self.loss_fn(output, targets)
+        return self.loss_fn(output, inputs)
 
     def input_spec(self, microbatch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of the input `forward` expects for a microbatch of `microbatch_size` samples."""
@@ -101,9 +110,9 @@ class StageModule(nn.Module):
         """(shape, dtype) of what `forward` returns for a microbatch of `microbatch_size` samples."""
         return _batched(self._output_spec, microbatch_size)
 
-    def target_spec(self, microbatch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
-        """(shape, dtype) of the targets the model's loss takes for `microbatch_size` samples."""
-        return _batched(self._target_spec, microbatch_size)
+    def loss_input_specs(self, microbatch_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of each named input the run's loss takes, for `microbatch_size` samples."""
+        return {name: _batched(spec, microbatch_size) for name, spec in self._loss_input_specs.items()}
 
 
 def _batched(spec: SampleSpec, microbatch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
@@ -113,29 +122,21 @@ def _batched(spec: SampleSpec, microbatch_size: int) -> tuple[tuple[int, ...], t
     return (microbatch_size, *shape), dtype
 
 
-def _sample_spec(x: Tensor, where: str) -> SampleSpec:
-    if x.dim() == 0 or x.shape[0] != _PROBE_BATCH:
-        raise ConfigError(
-            f"{where} returned shape {tuple(x.shape)} for a batch of {_PROBE_BATCH}: parts must keep the batch on dim 0"
-        )
-    return tuple(x.shape[1:]), x.dtype
-
-
 @torch.no_grad()
 def _boundary_specs(model: SwarmModel, start: int, end: int) -> tuple[SampleSpec, SampleSpec]:
     """Per-sample (input, output) specs of stage [start, end), by running meta tensors through the parts before it."""
-    x = torch.empty((_PROBE_BATCH, *model.input_shape), dtype=model.input_dtype, device="meta")
-    input_spec = _sample_spec(x, "the model input")
+    x = torch.empty((PROBE_BATCH, *model.input_shape), dtype=model.input_dtype, device="meta")
+    input_spec = sample_spec(x, "the model input")
     x = model.embed(x)
     for block in model.blocks[:start]:
         x = block(x)
     if start > 0:
-        input_spec = _sample_spec(x, block_key(start - 1))
+        input_spec = sample_spec(x, block_key(start - 1))
     for block in model.blocks[start:end]:
         x = block(x)
     if end == model.num_blocks:
         x = model.head(x)
-    return input_spec, _sample_spec(x, f"the part ending stage [{start}, {end})")
+    return input_spec, sample_spec(x, f"the part ending stage [{start}, {end})")
 
 
 def build_stage(
@@ -146,14 +147,16 @@ def build_stage(
     *,
     num_blocks: int | None = None,
     seed: int,
+    loss: str | None = None,
     device: str | torch.device = "cpu",
 ) -> StageModule:
     """The stage holding blocks [start, end) of model `model_ref`, initialised from run `seed`, on `device`.
 
     Only the held parts are materialised: on the CPU in float32, each from its per-part seed
     (so they are bit-identical to the same parts in any other stage or the full model), then
-    moved to `device`. Raises ConfigError if the model has other than `num_blocks` blocks (when
-    given) or [start, end) is not a non-empty range within them.
+    moved to `device`. `loss` is the run's loss by registered name (None: the model's own).
+    Raises ConfigError if the model has other than `num_blocks` blocks (when given), [start,
+    end) is not a non-empty range within them, or the loss is unknown or does not fit the model.
     """
     model = build_model(model_ref, model_config, device="meta")
     n = model.num_blocks
@@ -165,6 +168,8 @@ def build_stage(
     if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= n):
         raise ConfigError(f"stage blocks [{start}, {end}) must satisfy 0 <= start < end <= {n}")
     input_spec, output_spec = _boundary_specs(model, start, end)
+    run_loss = model.resolve_loss(loss)
+    loss_input_specs = run_loss.input_specs(model.output_spec())
 
     embed = model.embed if start == 0 else None
     head = model.head if end == n else None
@@ -181,12 +186,12 @@ def build_stage(
         embed=embed,
         blocks=list(model.blocks[start:end]),
         head=head,
-        loss=model.loss_fn,
+        loss=run_loss,
         start=start,
         end=end,
         num_blocks=n,
         input_spec=input_spec,
         output_spec=output_spec,
-        target_spec=(model.target_shape, model.target_dtype),
+        loss_input_specs=loss_input_specs,
     )
     return stage.to(device)

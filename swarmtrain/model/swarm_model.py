@@ -10,15 +10,18 @@ them, and the global RNG is left untouched.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.model.losses import Loss, SampleSpec, check_input_specs, get_loss
 
 EMBED_KEY = "embed"
 HEAD_KEY = "head"
+PROBE_BATCH = 2
+"""Batch of the meta probes that learn shapes; 2, not 1, so a part that squeezes the batch dim shows up."""
 
 InitWeights = Callable[[nn.Module], None]
 """Called on every submodule of a part after `reset_parameters()`, nanoGPT's `_init_weights` style."""
@@ -63,8 +66,53 @@ def init_part(module: nn.Module, key: str, run_seed: int, *, init_weights: InitW
                 init_weights(m)
 
 
+def sample_spec(x: Tensor, where: str) -> SampleSpec:
+    """Per-sample spec of a probe's result `x`; raises ConfigError unless it kept the probe's batch on dim 0."""
+    if x.dim() == 0 or x.shape[0] != PROBE_BATCH:
+        raise ConfigError(
+            f"{where} returned shape {tuple(x.shape)} for a batch of {PROBE_BATCH}: parts must keep the batch on dim 0"
+        )
+    return tuple(x.shape[1:]), x.dtype
+
+
+def _own_loss(
+    loss: str | Callable,
+    loss_inputs: Mapping[str, SampleSpec] | None,
+    target_shape: tuple[int, ...] | None,
+    target_dtype: torch.dtype | None,
+) -> Loss:
+    """The model's own Loss from SwarmModel's arguments (see SwarmModel for the three forms)."""
+    has_targets = target_shape is not None or target_dtype is not None
+    if isinstance(loss, str):
+        if loss_inputs is not None or has_targets:
+            raise ConfigError(
+                f"loss {loss!r} is registered with its own inputs: give neither loss_inputs nor target_shape/target_dtype"
+            )
+        return get_loss(loss)
+    if not callable(loss):
+        raise ConfigError(f"loss must be a registered loss name or a callable, got {type(loss).__name__}")
+    name = f"{getattr(loss, '__module__', None) or '?'}.{getattr(loss, '__qualname__', type(loss).__name__)}"
+    if loss_inputs is not None and not has_targets:
+        return Loss(name=name, fn=loss, inputs=check_input_specs(loss_inputs, f"loss {name!r}"))
+    if loss_inputs is None and target_shape is not None and target_dtype is not None:
+        specs = check_input_specs({"targets": (target_shape, target_dtype)}, f"loss {name!r}")
+        return Loss(name=name, fn=lambda out, inputs: loss(out, inputs["targets"]), inputs=specs)
+    raise ConfigError(
+        f"loss {name!r}: give either loss_inputs (a mapping name -> (per-sample shape, dtype), the loss "
+        "called as loss(output, {name: tensor})) or target_shape and target_dtype (loss(output, targets)), not both"
+    )
+
+
 class SwarmModel(nn.Module):
-    """`embed -> blocks -> head`, with a loss and the per-sample shapes a pipeline needs.
+    """`embed -> blocks -> head`, with a loss over named inputs and the per-sample shapes a pipeline needs.
+
+    The loss takes one of three forms:
+    - `loss="cross_entropy"`: a registered loss (swarmtrain.model.losses), whose inputs derive
+      from the head's output;
+    - `loss=fn, loss_inputs={"targets": ((T,), torch.int64), "weights": ((T,), torch.float32)}`:
+      `fn(output, {name: tensor})` over the named per-sample inputs declared;
+    - `loss=fn, target_shape=(T,), target_dtype=torch.int64`: `fn(output, targets)`, one input
+      named 'targets' (the original form, still accepted).
 
     Contract for builders: parts share no parameters (no weight tying across parts), every
     parameter is set by some submodule's `reset_parameters()` or by `init_weights` (a meta-built
@@ -78,11 +126,12 @@ class SwarmModel(nn.Module):
         embed: nn.Module,
         blocks: Sequence[nn.Module],
         head: nn.Module,
-        loss: Callable[[Tensor, Tensor], Tensor],
+        loss: str | Callable[[Tensor, Mapping[str, Tensor]], Tensor] | Callable[[Tensor, Tensor], Tensor],
         input_shape: tuple[int, ...],
         input_dtype: torch.dtype,
-        target_shape: tuple[int, ...],
-        target_dtype: torch.dtype,
+        loss_inputs: Mapping[str, SampleSpec] | None = None,
+        target_shape: tuple[int, ...] | None = None,
+        target_dtype: torch.dtype | None = None,
         init_weights: InitWeights | None = None,
     ):
         super().__init__()
@@ -91,13 +140,11 @@ class SwarmModel(nn.Module):
         self.embed = embed
         self.blocks = nn.ModuleList(blocks)
         self.head = head
-        self.loss_fn = loss
+        self.loss_fn = _own_loss(loss, loss_inputs, target_shape, target_dtype)
+        """The model's own loss, called as loss_fn(output, {name: tensor})."""
         self.input_shape = tuple(int(d) for d in input_shape)
         """Shape of one input sample, without the batch dim, e.g. (seq_len,) for tokens."""
         self.input_dtype = input_dtype
-        self.target_shape = tuple(int(d) for d in target_shape)
-        """Shape of one target sample, without the batch dim."""
-        self.target_dtype = target_dtype
         self.init_weights = init_weights
 
     @property
@@ -117,10 +164,42 @@ class SwarmModel(nn.Module):
         for key, part in self.parts():
             init_part(part, key, run_seed, init_weights=self.init_weights)
 
-    def forward(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
-        """The head's output for inputs `x`, or the scalar loss against `targets` if given."""
+    def resolve_loss(self, loss: str | None = None) -> Loss:
+        """The registered loss named `loss`, or the model's own for None; ConfigError for an unknown name."""
+        return self.loss_fn if loss is None else get_loss(loss)
+
+    @torch.no_grad()
+    def output_spec(self) -> SampleSpec:
+        """Per-sample (shape, dtype) of the head's output, from meta tensors run through the
+        parts with meta stand-ins for the parameters: no memory, no compute, on any device."""
+        meta = {
+            name: torch.empty_like(t, device="meta")
+            for name, t in [*self.named_parameters(), *self.named_buffers()]
+        }
+        x = torch.empty((PROBE_BATCH, *self.input_shape), dtype=self.input_dtype, device="meta")
+        return sample_spec(torch.func.functional_call(self, meta, (x,)), "the head")
+
+    def loss_input_specs(self, loss: str | None = None) -> dict[str, SampleSpec]:
+        """Per-sample (shape, dtype), without the batch dim, of each named input that `loss` (a
+        registered name; None: the model's own loss) takes on this model. Raises ConfigError for
+        an unknown loss or one that does not fit the head's output."""
+        return self.resolve_loss(loss).input_specs(self.output_spec())
+
+    def forward(self, x: Tensor, targets: Tensor | Mapping[str, Tensor] | None = None) -> Tensor:
+        """The head's output for inputs `x`, or the model's scalar loss if `targets` is given:
+        named inputs {name: tensor}, or one tensor for a loss that takes 'targets' alone."""
         x = self.embed(x)
         for block in self.blocks:
             x = block(x)
         out = self.head(x)
-        return out if targets is None else self.loss_fn(out, targets)
+        if targets is None:
+            return out
+        if isinstance(targets, Tensor):
+            names = self.loss_fn.input_specs((tuple(out.shape[1:]), out.dtype))
+            if set(names) != {"targets"}:
+                raise ValueError(
+                    f"loss {self.loss_fn.name!r} takes named inputs {sorted(names)}, not one targets tensor: "
+                    "call model(x, {name: tensor})"
+                )
+            targets = {"targets": targets}
+        return self.loss_fn(out, targets)

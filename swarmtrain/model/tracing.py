@@ -243,8 +243,11 @@ def block_costs(
         traced.append([(block_key(i), block, trace)])
         boundaries.append(x.numel() * x.element_size() / tokens)
     inp = _leaf(x)
-    targets = torch.empty((microbatch_size, *model.target_shape), dtype=model.target_dtype, device="meta")
-    head_trace, _loss = _trace(lambda: model.loss_fn(model.head(inp), targets), model.head)
+    loss_inputs = {
+        name: torch.empty((microbatch_size, *shape), dtype=dtype, device="meta")
+        for name, (shape, dtype) in model.loss_input_specs().items()
+    }
+    head_trace, _loss = _trace(lambda: model.loss_fn(model.head(inp), loss_inputs), model.head)
     traced[0].insert(0, (EMBED_KEY, model.embed, embed_trace))
     traced[-1].append((HEAD_KEY, model.head, head_trace))
     return [

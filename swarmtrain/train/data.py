@@ -1,4 +1,5 @@
-"""Byte-level training text and the random-window batches drawn from it.
+"""Microbatches: the (inputs, loss inputs) form trainers send, byte-level training text, and
+the random-window batches drawn from it.
 
 The default corpus is the source of Python's standard library: it is on every machine that
 runs swarmtrain, so a demo swarm needs no download. It is identical across peers only when
@@ -9,12 +10,44 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from swarmtrain.errors import ConfigError
+
+
+def loss_inputs_of(item: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """One microbatch as (inputs, {name: tensor}): the named tensors the run's loss takes.
+
+    A user's batch iterator may yield `(inputs, targets)`, which is `(inputs, {'targets':
+    targets})`, or `(inputs, {name: tensor})` for a loss that takes more (e.g. 'targets' and
+    'weights'). Raises ConfigError saying what is wrong with any other item. Which names the
+    run's loss takes, and their shapes, stage 0 checks.
+    """
+    form = "each microbatch must be (inputs, targets) or (inputs, {name: tensor})"
+    if not isinstance(item, tuple | list) or len(item) != 2:
+        raise ConfigError(
+            f"{form}, got a {type(item).__name__}"
+            + (f" of {len(item)}" if isinstance(item, tuple | list) else "")
+        )
+    x, rest = item
+    if not isinstance(x, Tensor):
+        raise ConfigError(f"{form}: the inputs are a {type(x).__name__}, not a tensor")
+    if isinstance(rest, Tensor):
+        return x, {"targets": rest}
+    if not isinstance(rest, Mapping):
+        raise ConfigError(f"{form}: the second item is a {type(rest).__name__}")
+    for name, t in rest.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"{form}: loss input names must be strings, got {name!r}")
+        if not isinstance(t, Tensor):
+            raise ConfigError(f"{form}: loss input {name!r} is a {type(t).__name__}, not a tensor")
+    return x, dict(rest)
+
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 

@@ -92,7 +92,7 @@ class InProcessSwarm:
     def _add(self, stage: int, name: str) -> None:
         m = self.manifest
         start, end = m.stage_span(stage)
-        module = build_stage(m.model, m.model_config, start, end, num_blocks=m.num_blocks, seed=m.seed)
+        module = build_stage(m.model, m.model_config, start, end, num_blocks=m.num_blocks, seed=m.seed, loss=m.loss)
         runner = StageRunner(module, m.optimizer, microbatch_size=m.batch.microbatch_size)
         slowdown = self.config.slowdowns.get(name, 1.0)
         scheduler = ComputeScheduler(

@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from swarmtrain.model import StageModule, build_model
+from swarmtrain.train.data import loss_inputs_of
 from swarmtrain.train.optim import make_optimizer
 from swarmtrain.wire.records import OptimizerConfig
 
@@ -47,12 +48,15 @@ def train_reference(
     model_config: Mapping[str, Any],
     seed: int,
     optimizer: OptimizerConfig,
-    batches: Iterator[tuple[Tensor, Tensor]],
+    batches: Iterator[tuple[Tensor, Tensor] | tuple[Tensor, Mapping[str, Tensor]]],
     steps: int,
     microbatches_per_step: int,
+    loss: str | None = None,
 ) -> ReferenceResult:
     """Train `model` for `steps` optimizer steps of `microbatches_per_step` microbatches from `batches`.
 
+    Each microbatch is (inputs, targets) or (inputs, {name: tensor}), the named inputs of
+    `loss` (a registered name, as a run manifest gives it; None: the model's own loss).
     The model is initialised exactly as stages initialise their parts (meta build, CPU float32,
     per-part seeds from `seed`), and each step zeroes the grads, backpropagates
     loss / microbatches_per_step for every microbatch, then steps the optimizer once.
@@ -62,6 +66,7 @@ def train_reference(
             f"steps and microbatches_per_step must be >= 1, got {steps} and {microbatches_per_step}"
         )
     net = build_model(model, model_config, device="meta")
+    run_loss = net.resolve_loss(loss)
     net.to_empty(device="cpu")
     net.reset_parameters(seed)
     net.train()
@@ -72,10 +77,10 @@ def train_reference(
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for _ in range(M):
-            x, y = next(batches)
-            loss = net(x, y)
-            (loss / M).backward()
-            total += loss.item()
+            x, inputs = loss_inputs_of(next(batches))
+            value = run_loss(net(x), inputs)
+            (value / M).backward()
+            total += value.item()
         opt.step()
         losses.append(total / M)
     return ReferenceResult(losses=losses, state=_parts_state(net.parts()))

@@ -1,6 +1,9 @@
 """One stage's compute and optimizer state, without any networking.
 
 The contract with the peer shell around it:
+- A microbatch is its input `x` and the named loss inputs the run's loss takes
+  ({'targets': ...}, plus e.g. 'weights'). Every stage checks both with `check_inputs`
+  before any compute, and a stage that is not the last passes the loss inputs on unchanged.
 - `forward(mb_id, x)` runs the stage and keeps (input, output) until `backward(mb_id, ...)`
   (or `drop(mb_id)`); the last stage uses `forward_loss_backward` instead.
 - A microbatch's parameter gradient is added to the gradient buffer on its first ("fresh")
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +32,7 @@ from torch import Tensor
 
 from swarmtrain.errors import BadFrameError, Cause, RemoteError
 from swarmtrain.model import StageModule
+from swarmtrain.model.losses import name_mismatch
 from swarmtrain.train.optim import make_optimizer
 from swarmtrain.wire.frames import all_finite
 from swarmtrain.wire.records import OptimizerConfig
@@ -72,8 +77,11 @@ class StageRunner:
         self.optimizer = make_optimizer(self.params, optimizer)
         shape, dtype = module.input_spec(microbatch_size)
         self.input_spec = TensorSpec(tuple(shape), dtype, microbatch_size)
-        shape, dtype = module.target_spec(microbatch_size)
-        self.target_spec = TensorSpec(tuple(shape), dtype, microbatch_size)
+        self.loss_input_specs = {
+            name: TensorSpec(tuple(shape), dtype, microbatch_size)
+            for name, (shape, dtype) in module.loss_input_specs(microbatch_size).items()
+        }
+        """What each named loss input of a microbatch must look like (every stage checks them)."""
         shape, dtype = module.output_spec(microbatch_size)
         self.output_spec = TensorSpec(tuple(shape), dtype, microbatch_size)
         self.step = 0
@@ -104,12 +112,29 @@ class StageRunner:
         """Whether this step's gradients (buffered or held) would be lost if the peer left now."""
         return bool(self._committed or self._held)
 
-    def check_inputs(self, x: Tensor, targets: Tensor | None) -> None:
+    def check_inputs(self, x: Tensor, loss_inputs: Mapping[str, Tensor]) -> None:
+        """Raise BadFrameError unless a microbatch fits this run.
+
+        `x` must fit this stage's input; `loss_inputs` must name exactly the inputs the run's
+        loss takes, each of its dtype and per-sample shape, with x's batch, and finite.
+        """
         self.input_spec.check("x", x)
-        if targets is not None:
-            self.target_spec.check("targets", targets)
-            if targets.shape[0] != x.shape[0]:
-                raise BadFrameError(f"targets have batch {targets.shape[0]} but x has batch {x.shape[0]}")
+        problem = name_mismatch(loss_inputs, self.loss_input_specs, self.module.loss_fn.name)
+        if problem is not None:
+            raise BadFrameError(
+                f"{problem}; give each microbatch as (inputs, {{name: tensor}}) with these names"
+            )
+        for name, spec in self.loss_input_specs.items():
+            t = loss_inputs[name]
+            if not isinstance(t, Tensor):
+                raise BadFrameError(f"loss input {name!r} is a {type(t).__name__}, not a tensor")
+            spec.check(name, t)
+            if t.shape[0] != x.shape[0]:
+                raise BadFrameError(
+                    f"loss input {name!r} has batch {t.shape[0]} but x has batch {x.shape[0]}"
+                )
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise BadFrameError(f"loss input {name!r} holds NaN or inf values")
 
     def _input(self, x: Tensor) -> Tensor:
         x = x.to(self.device)
@@ -138,12 +163,20 @@ class StageRunner:
         return self._backprop(mb_id, out, grad_out.to(self.device), x, replay)
 
     def forward_loss_backward(
-        self, mb_id: str, x: Tensor, targets: Tensor, loss_scale: float, *, replay: bool = False
+        self,
+        mb_id: str,
+        x: Tensor,
+        loss_inputs: Mapping[str, Tensor],
+        loss_scale: float,
+        *,
+        replay: bool = False,
     ) -> tuple[float, Tensor | None]:
-        """Last stage: forward, loss, backward in one go. Returns (unscaled loss, input grad)."""
+        """Last stage: forward, the run's loss against the named `loss_inputs` (checked by
+        `check_inputs`), backward, in one go. Returns (unscaled loss, input grad)."""
         x = self._input(x)
+        inputs = {name: t.to(self.device) for name, t in loss_inputs.items()}
         with torch.enable_grad():
-            loss = self.module.loss(self.module(x), targets.to(self.device))
+            loss = self.module.loss(self.module(x), inputs)
         value = float(loss.detach())
         if not math.isfinite(value):
             raise RemoteError(f"microbatch {mb_id} has a non-finite loss ({value})", cause=Cause.REFUSED)

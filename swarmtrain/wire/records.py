@@ -16,6 +16,8 @@ from swarmtrain.errors import ConfigError
 
 WIRE_VERSION = 4
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+LOSS_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+"""What a registered loss name looks like (swarmtrain.model.losses checks names against it too)."""
 PEER_ROLES = ("coordinator", "stage", "trainer")
 SCHEDULES = ("readiness", "static")
 """How stage peers order their work and route microbatches (see swarmtrain/schedule)."""
@@ -35,6 +37,16 @@ def check_run_id(run_id: str) -> str:
             f"invalid run id {run_id!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
         )
     return run_id
+
+
+def check_loss_name(name: str) -> str:
+    """Return `name` if it can name a registered loss, else raise ConfigError saying what is allowed."""
+    if not isinstance(name, str) or not LOSS_NAME_PATTERN.match(name):
+        raise ConfigError(
+            f"invalid loss name {name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter "
+            "(--loss cross_entropy, say; leave --loss out for the model's own loss)"
+        )
+    return name
 
 
 def _check_count(name: str, value: Any) -> None:
@@ -276,12 +288,21 @@ class RunManifest:
     replicas and a fixed 1F1B order, the baseline readiness is measured against."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     """Codecs of activations, gradients and replica averaging on the wire."""
+    loss: str | None = None
+    """The loss the last stage computes, by registered name ('cross_entropy',
+    'weighted_cross_entropy', or one the builder's module registers); None: the model's own.
+    It fixes the named inputs every microbatch carries (swarmtrain.model.losses)."""
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self):
         check_run_id(self.run_id)
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("manifest: model must be a builder name or an import path")
+        if self.loss is not None:
+            try:
+                check_loss_name(self.loss)
+            except ConfigError as e:
+                raise ConfigError(f"manifest: {e}") from None
         if not isinstance(self.model_config, dict):
             raise ConfigError("manifest: model_config must be a mapping")
         object.__setattr__(self, "stage_bounds", tuple(int(b) for b in self.stage_bounds))
@@ -341,6 +362,7 @@ class RunManifest:
             "max_steps": self.max_steps,
             "schedule": self.schedule,
             "compression": self.compression.to_dict(),
+            "loss": self.loss,
             "wire_version": self.wire_version,
         }
 
