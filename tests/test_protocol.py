@@ -20,6 +20,9 @@ B, T = 4, TINY_GPT["seq_len"]
 M = 4
 OPTIMIZER = OptimizerConfig(name="adamw", lr=1e-2)
 TEXT = stdlib_text(2**20)
+PARAM_ATOL = 1e-4
+"""Gradients are summed in another order than in one process (per replica, then across
+replicas): parameters agree to rounding, which AdamW amplifies a little."""
 
 
 def manifest(*, stages=(0, 2, 4), schedule="readiness", microbatches=M) -> RunManifest:
@@ -79,7 +82,7 @@ def assert_parity(swarm: InProcessSwarm, results) -> None:
         assert replica.runner.step == len(results)
         state = stage_state_dict(replica.runner.module)
         for key, value in state.items():
-            torch.testing.assert_close(value, reference.state[key], rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+            torch.testing.assert_close(value, reference.state[key], rtol=0, atol=PARAM_ATOL, msg=f"{name}: {key}")
 
 
 def test_replicated_stages_train_in_parity_and_stay_bit_identical():
