@@ -39,8 +39,8 @@ from swarmtrain.schedule import (
 from swarmtrain.schedule.runtime import ComputeScheduler
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.train.context import StageContext
-from swarmtrain.train.service import ServeCounters, StageService
 from swarmtrain.train.placement import choose_stage, stage_memory_figures
+from swarmtrain.train.service import ServeCounters, StageService
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame
@@ -283,7 +283,9 @@ class StagePeer:
         by leaving (it was exchanged with the other replicas, or the step was applied)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.service.in_flight and (not self.runner.has_gradients or self.service.commit.exchanged):
+            if not self.service.in_flight and (
+                not self.runner.has_gradients or self.service.commit.exchanged
+            ):
                 return
             await asyncio.sleep(0.05)
 

@@ -25,10 +25,10 @@ import torch
 from hivemind.utils import get_dht_time
 
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
-from swarmtrain.train.data import loss_inputs_of
-from swarmtrain.train.step import StepFailedError, StepResult, TrainerContext, TrainerStep
 from swarmtrain.schedule import InFlightWindow, ReadinessRouter, RoundRobinRouter, WindowConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
+from swarmtrain.train.data import loss_inputs_of
+from swarmtrain.train.step import StepFailedError, StepResult, TrainerContext, TrainerStep
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame
 from swarmtrain.wire.records import RunManifest

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from swarmtrain.errors import RemoteError
+from swarmtrain.errors import Cause, RemoteError
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.transport import TensorTransport, handler_name
@@ -41,7 +41,7 @@ def swarm(tmp_path_factory):
 
 
 def forward(stage: int, x, targets, run_id="frames", **meta) -> Frame:
-    meta = {"loss_scale": 0.5, "budget_s": 20.0, "route": "unused unused"} | meta
+    meta = {"loss_scale": 0.5, "budget_s": 20.0} | meta
     return Frame(
         kind="forward",
         run_id=run_id,
@@ -67,25 +67,26 @@ async def with_client(swarm, fn):
         node.shutdown()
 
 
-BAD_FRAMES = {  # case: (stage peer it is sent to, frame, what the error must say)
-    "wrong trailing shape": (1, forward(1, torch.randn(B, T, C + 1), good_targets()), r"shape \(4, 16, 33\).*expects \('B', 16, 32\)"),
-    "wrong dtype": (1, forward(1, torch.randn(B, T, C).half(), good_targets()), r"dtype torch.float16.*expects torch.float32"),
-    "batch too large": (1, forward(1, torch.randn(B + 1, T, C), torch.randint(0, 256, (B + 1, T))), r"batch 5.*1\.\.4"),
-    "NaN activations": (1, forward(1, torch.full((B, T, C), float("nan")), good_targets()), r"NaN or inf"),
-    "inf activations": (1, forward(1, torch.full((B, T, C), float("inf")), good_targets()), r"NaN or inf"),
-    "token out of range": (0, forward(0, torch.full((B, T), 999), good_targets(), route="a b"), r"forward/backward failed"),
-    "missing targets": (1, Frame(kind="forward", run_id="frames", stage=1, step=0, tensors={"x": torch.randn(B, T, C)}), r"missing loss input 'targets': loss 'cross_entropy' takes 'targets'"),
-    "unknown loss input": (1, Frame(kind="forward", run_id="frames", stage=1, step=0, tensors={"x": torch.randn(B, T, C), "targets": good_targets(), "weights": torch.ones(B, T)}), r"unknown loss input 'weights': loss 'cross_entropy' takes 'targets'"),
-    "missing x": (1, Frame(kind="forward", run_id="frames", stage=1, step=0, tensors={"targets": good_targets()}), r"needs tensor 'x'"),
-    "another run's id": (1, forward(1, torch.randn(B, T, C), good_targets(), run_id="other"), r"serves run 'frames', not 'other'"),
-    "stage out of range": (1, forward(5, torch.randn(B, T, C), good_targets()), r"serves stage 1, not 5"),
-    "bad loss scale": (1, forward(1, torch.randn(B, T, C), good_targets(), loss_scale=7.0), r"loss_scale"),
+BAD_FRAMES = {  # case: (stage peer it is sent to, frame, what the error must say, its cause)
+    "wrong trailing shape": (1, forward(1, torch.randn(B, T, C + 1), good_targets()), r"shape \(4, 16, 33\).*expects \('B', 16, 32\)", Cause.BAD_FRAME),
+    "wrong dtype": (1, forward(1, torch.randn(B, T, C).half(), good_targets()), r"dtype torch.float16.*expects torch.float32", Cause.BAD_FRAME),
+    "batch too large": (1, forward(1, torch.randn(B + 1, T, C), torch.randint(0, 256, (B + 1, T))), r"batch 5.*1\.\.4", Cause.BAD_FRAME),
+    "NaN activations": (1, forward(1, torch.full((B, T, C), float("nan")), good_targets()), r"NaN or inf", Cause.BAD_FRAME),
+    "inf activations": (1, forward(1, torch.full((B, T, C), float("inf")), good_targets()), r"NaN or inf", Cause.BAD_FRAME),
+    "token out of range": (0, forward(0, torch.full((B, T), 999), good_targets()), r"forward/backward failed", Cause.BAD_FRAME),
+    "missing targets": (1, Frame(kind="forward", run_id="frames", stage=1, step=0, tensors={"x": torch.randn(B, T, C)}, meta={"loss_scale": 0.5, "budget_s": 20.0}), r"missing loss input 'targets'", Cause.BAD_FRAME),
+    "no input": (1, Frame(kind="forward", run_id="frames", stage=1, step=0, tensors={"targets": good_targets()}, meta={"loss_scale": 0.5, "budget_s": 20.0}), r"needs its input tensor 'x'", Cause.BAD_FRAME),
+    "another run's id": (1, forward(1, torch.randn(B, T, C), good_targets(), run_id="other"), r"serves run 'frames', not 'other'", Cause.WRONG_RUN),
+    "stage out of range": (1, forward(5, torch.randn(B, T, C), good_targets()), r"serves stage 1, not 5", Cause.BAD_FRAME),
+    "bad loss scale": (1, forward(1, torch.randn(B, T, C), good_targets(), loss_scale=7.0), r"'loss_scale' must be a number in \(0, 1\]", Cause.BAD_FRAME),
+    "route as a string": (1, forward(1, torch.randn(B, T, C), good_targets(), prefer="QmA QmB"), r"'prefer' must be a list of strings", Cause.BAD_FRAME),
+    "unknown meta": (1, forward(1, torch.randn(B, T, C), good_targets(), route=["a", "b"]), r"unknown fields \['route'\]", Cause.BAD_FRAME),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(BAD_FRAMES))
 def test_each_bad_frame_gets_a_precise_error_reply(swarm, case):
-    stage, frame, pattern = BAD_FRAMES[case]
+    stage, frame, pattern, cause = BAD_FRAMES[case]
 
     async def send(transport):
         with pytest.raises(RemoteError, match=pattern) as info:
@@ -93,7 +94,7 @@ def test_each_bad_frame_gets_a_precise_error_reply(swarm, case):
         return info.value
 
     error = asyncio.run(with_client(swarm, send))  # a fresh client per case: one strike each
-    assert error.retryable is False
+    assert error.retryable is False and error.cause == cause
 
 
 def test_garbage_bytes_and_oversized_frames_are_refused_before_reading_them(swarm):

@@ -35,7 +35,9 @@ RECORDS = [
         slot_counts=(2, 1),
         microbatches=8,
     ),
-    ResultMeta(loss=2.5, route=("QmA", "QmB"), replays=2, service_s=0.1, r_backlog=0.5, r_service=0.02, r_queue=3),
+    ResultMeta(
+        loss=2.5, route=("QmA", "QmB"), replays=2, service_s=0.1, r_backlog=0.5, r_service=0.02, r_queue=3
+    ),
     Prepared(fresh=("t:0.0:1", "t:0.0:2"), held=()),
     Exchange(fresh=("t:0.0:1",), take=("t:0.0:3",), group=("QmA", "QmB"), attempt=2),
     Apply(grad_scale=1.5, digest=True),
@@ -54,7 +56,9 @@ def test_records_round_trip_through_a_frame(record):
     assert type(record).from_meta(got.meta) == record
 
 
-@pytest.mark.parametrize("request_", [Prepare(), Exchange(fresh=(), take=(), group=("QmA",)), Apply(), Abort()])
+@pytest.mark.parametrize(
+    "request_", [Prepare(), Exchange(fresh=(), take=(), group=("QmA",)), Apply(), Abort()]
+)
 def test_commit_requests_parse_by_phase(request_):
     assert CommitRequest.parse(request_.to_meta()) == request_
 
@@ -67,15 +71,35 @@ def test_commit_requests_parse_by_phase(request_):
         (ForwardMeta, {"loss_scale": 0.5, "budget_s": float("nan")}, "'budget_s' must be a number"),
         (ForwardMeta, {"loss_scale": 0.5, "budget_s": 1.0, "order": -1}, "'order' must be an int >= 0"),
         (ForwardMeta, {"loss_scale": 0.5, "budget_s": 1.0, "replay": 1}, "'replay' must be a bool"),
-        (ForwardMeta, {"loss_scale": 0.5, "budget_s": 1.0, "prefer": "QmA QmB"}, "'prefer' must be a list of strings"),
-        (ForwardMeta, {"loss_scale": 0.5, "budget_s": 1.0, "needed_by": ["1"]}, "'needed_by' must be a list of ints"),
-        (ForwardMeta, {"loss_scale": 0.5, "budget_s": 1.0, "slots": [2], "slot_counts": [2], "microbatches": 4}, "slots"),
-        (ForwardMeta, {"loss_scale": 0.5, "budget_s": 1.0, "slots": [0], "slot_counts": [1]}, "needs microbatches"),
+        (
+            ForwardMeta,
+            {"loss_scale": 0.5, "budget_s": 1.0, "prefer": "QmA QmB"},
+            "'prefer' must be a list of strings",
+        ),
+        (
+            ForwardMeta,
+            {"loss_scale": 0.5, "budget_s": 1.0, "needed_by": ["1"]},
+            "'needed_by' must be a list of ints",
+        ),
+        (
+            ForwardMeta,
+            {"loss_scale": 0.5, "budget_s": 1.0, "slots": [2], "slot_counts": [2], "microbatches": 4},
+            "slots",
+        ),
+        (
+            ForwardMeta,
+            {"loss_scale": 0.5, "budget_s": 1.0, "slots": [0], "slot_counts": [1]},
+            "needs microbatches",
+        ),
         (ForwardMeta, {"loss_scale": 0.5, "budget_s": 1.0, "route": "a b"}, r"unknown fields \['route'\]"),
         (ResultMeta, {"loss": "2.5", "route": []}, "'loss' must be a number"),
         (ResultMeta, {"loss": 2.5, "route": ["a" * 200]}, "'route' must be a list of strings of at most 128"),
         (Prepared, {"fresh": "a b"}, "'fresh' must be a list of strings"),
-        (Exchange, {"phase": "exchange", "fresh": [], "take": [], "group": ["QmA"], "attempt": 1.0}, "'attempt' must be an int"),
+        (
+            Exchange,
+            {"phase": "exchange", "fresh": [], "take": [], "group": ["QmA"], "attempt": 1.0},
+            "'attempt' must be an int",
+        ),
         (Apply, {"phase": "apply", "grad_scale": 0.0}, r"'grad_scale' must be a number in \(0, 1000"),
         (Apply, {"phase": "apply", "grad_scale": 1.0, "digest": "yes"}, "'digest' must be a bool"),
         (GradsMeta, {"attempt": True}, "'attempt' must be an int"),
@@ -88,7 +112,9 @@ def test_bad_fields_are_refused_by_name(record, meta, match):
 
 
 def test_an_unknown_commit_phase_is_refused():
-    with pytest.raises(BadFrameError, match=r"unknown commit phase 'launch' \(known: prepare, exchange, apply, abort\)"):
+    with pytest.raises(
+        BadFrameError, match=r"unknown commit phase 'launch' \(known: prepare, exchange, apply, abort\)"
+    ):
         CommitRequest.parse({"phase": "launch"})
     with pytest.raises(BadFrameError, match="unknown commit phase None"):
         CommitRequest.parse({})

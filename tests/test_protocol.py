@@ -4,6 +4,7 @@ counted exactly once in every stage, and parity with single-process training: th
 per-step losses and, at the end, the same parameters on every replica."""
 
 import asyncio
+import itertools
 
 import pytest
 import torch
@@ -82,7 +83,9 @@ def assert_parity(swarm: InProcessSwarm, results) -> None:
         assert replica.runner.step == len(results)
         state = stage_state_dict(replica.runner.module)
         for key, value in state.items():
-            torch.testing.assert_close(value, reference.state[key], rtol=0, atol=PARAM_ATOL, msg=f"{name}: {key}")
+            torch.testing.assert_close(
+                value, reference.state[key], rtol=0, atol=PARAM_ATOL, msg=f"{name}: {key}"
+            )
 
 
 def test_replicated_stages_train_in_parity_and_stay_bit_identical():
@@ -249,3 +252,38 @@ def test_other_layouts_train_in_parity(stages, replicas):
     config = InProcessConfig(manifest=manifest(stages=stages), replicas=replicas)
     swarm, results = train(config, 2)
     assert_parity(swarm, results)
+
+
+def test_a_loss_over_extra_named_inputs_runs_through_the_pipeline_in_parity():
+    # The manifest names a loss that takes per-token weights beside the targets: the weights
+    # ride with every microbatch to the last stage, which computes the loss from both.
+    from swarmtrain.train.reference import train_reference
+
+    m = manifest()
+    m = RunManifest(**{**m.to_dict(), "loss": "weighted_cross_entropy"})
+    gen = torch.Generator().manual_seed(1)
+    weighted = [
+        (x, {"targets": y, "weights": torch.rand(y.shape, generator=gen)})
+        for x, y in itertools.islice(batches(), 2 * M)
+    ]
+
+    async def scenario():
+        async with InProcessSwarm(InProcessConfig(manifest=m, replicas=(1, 2))) as swarm:
+            return [await swarm.step(weighted[s * M : (s + 1) * M]) for s in range(2)]
+
+    results = asyncio.run(scenario())
+    reference = train_reference(
+        model="tiny-gpt",
+        model_config=TINY_GPT,
+        seed=m.seed,
+        optimizer=m.optimizer,
+        batches=iter(weighted),
+        steps=2,
+        microbatches_per_step=M,
+        loss="weighted_cross_entropy",
+    )
+    assert_losses_match_reference(results, reference)
+    unweighted = reference_losses(
+        seed=m.seed, optimizer=m.optimizer, batches=iter(batches()), steps=1, microbatches_per_step=M
+    )
+    assert abs(results[0].loss - unweighted.losses[0]) > 1e-3  # the weights did change the loss

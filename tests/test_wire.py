@@ -185,7 +185,9 @@ def test_frame_without_tensors_and_error_frames():
 
 
 def test_meta_lists_of_scalars_round_trip():
-    frame = Frame(kind="step", run_id="r", meta={"fresh": ["t:0:1", "t:0:2"], "needed_by": [1, 2], "empty": []})
+    frame = Frame(
+        kind="step", run_id="r", meta={"fresh": ["t:0:1", "t:0:2"], "needed_by": [1, 2], "empty": []}
+    )
     assert read_bytes(encoded(frame)).meta == frame.meta
 
 
@@ -343,7 +345,10 @@ def test_header_fields_missing_or_extra():
         ({"step": True}, "frame step must be an int"),
         ({"meta": [1]}, "frame meta must be a mapping"),
         ({"meta": {"route": [["a"], "b"]}}, "frame meta 'route' must be a scalar or a list of at most"),
-        ({"meta": {"ids": ["a"] * (frames.MAX_META_LIST + 1)}}, "frame meta 'ids' must be a scalar or a list"),
+        (
+            {"meta": {"ids": ["a"] * (frames.MAX_META_LIST + 1)}},
+            "frame meta 'ids' must be a scalar or a list",
+        ),
         ({"meta": {"cfg": {"a": 1}}}, "frame meta 'cfg' must be a scalar"),
         ({"tensors": {"x": 1}}, "at most .* tensors"),
     ],

@@ -171,7 +171,10 @@ def decide_commit(
     repairs = []
     for mb in (m for m in issued if m in lacking):
         prefer = tuple(
-            next((r.peer for r in sorted(reports[k], key=lambda r: r.peer) if mb in r.fresh or mb in r.held), None)
+            next(
+                (r.peer for r in sorted(reports[k], key=lambda r: r.peer) if mb in r.fresh or mb in r.held),
+                None,
+            )
             for k in stages
         )
         needed_by = tuple(k for k in stages if mb in plans[k].missing)

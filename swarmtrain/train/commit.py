@@ -28,7 +28,16 @@ from swarmtrain.train.averaging import GradientInbox, group_sum
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.serving import ReplayCache
 from swarmtrain.wire.frames import Frame
-from swarmtrain.wire.messages import Abort, Applied, Apply, CommitRequest, Exchange, GradsMeta, Prepare, Prepared
+from swarmtrain.wire.messages import (
+    Abort,
+    Applied,
+    Apply,
+    CommitRequest,
+    Exchange,
+    GradsMeta,
+    Prepare,
+    Prepared,
+)
 
 EXCHANGE_TIMEOUT_S = 30.0
 
@@ -69,7 +78,9 @@ class CommitParticipant:
             await scheduler.call(runner.reopen)
             self._total = None
             fresh, held = runner.report()
-            return self._done(runner.step, Prepared(fresh=tuple(sorted(fresh)), held=tuple(sorted(held))).to_meta())
+            return self._done(
+                runner.step, Prepared(fresh=tuple(sorted(fresh)), held=tuple(sorted(held))).to_meta()
+            )
         if isinstance(request, Abort):
             await scheduler.call(runner.discard_step)
             self._total = None
@@ -85,7 +96,9 @@ class CommitParticipant:
         if ctx.peer_id not in request.group:
             raise BadFrameError("an exchange must name a group with this replica in it")
         self._total = None
-        await ctx.scheduler.call(lambda: ctx.runner.fold(step, fresh=set(request.fresh), take=list(request.take)))
+        await ctx.scheduler.call(
+            lambda: ctx.runner.fold(step, fresh=set(request.fresh), take=list(request.take))
+        )
         others = [q for q in request.group if q != ctx.peer_id]
         total = await self._exchange(step, request.attempt, others) if others else None
         self._total = (step, total)

@@ -92,7 +92,9 @@ class InProcessSwarm:
     def _add(self, stage: int, name: str) -> None:
         m = self.manifest
         start, end = m.stage_span(stage)
-        module = build_stage(m.model, m.model_config, start, end, num_blocks=m.num_blocks, seed=m.seed, loss=m.loss)
+        module = build_stage(
+            m.model, m.model_config, start, end, num_blocks=m.num_blocks, seed=m.seed, loss=m.loss
+        )
         runner = StageRunner(module, m.optimizer, microbatch_size=m.batch.microbatch_size)
         slowdown = self.config.slowdowns.get(name, 1.0)
         scheduler = ComputeScheduler(
@@ -117,7 +119,9 @@ class InProcessSwarm:
             refresh=asyncio.sleep,
         )
         service = StageService(ctx)
-        self.replicas[name] = Replica(name=name, stage=stage, runner=runner, scheduler=scheduler, service=service)
+        self.replicas[name] = Replica(
+            name=name, stage=stage, runner=runner, scheduler=scheduler, service=service
+        )
 
     def live(self, stage: int) -> list[str]:
         """The replicas of `stage` still alive."""
@@ -146,7 +150,7 @@ class InProcessSwarm:
 
     async def __aenter__(self) -> InProcessSwarm:
         self._loop = asyncio.get_running_loop()
-        for name, replica in self.replicas.items():
+        for replica in self.replicas.values():
             await replica.service.ctx.transport.serve(replica.service.ctx.handler, replica.service.handle)
         return self
 
@@ -154,7 +158,9 @@ class InProcessSwarm:
         for replica in self.replicas.values():
             replica.scheduler.close()
 
-    async def _trainer_replicas(self, *, refresh: bool = False, wait_for_all: bool = False) -> dict[int, list[str]]:
+    async def _trainer_replicas(
+        self, *, refresh: bool = False, wait_for_all: bool = False
+    ) -> dict[int, list[str]]:
         return {k: self.live(k) for k in range(self.manifest.num_stages)}
 
     def trainer_context(self) -> TrainerContext:

@@ -64,7 +64,9 @@ class StageService:
                 in_flight=self.in_flight,
                 **ready.to_meta(),
             )
-            return Frame(kind="pong", run_id=ctx.run_id, stage=ctx.stage, step=ctx.runner.step, meta=pong.to_meta())
+            return Frame(
+                kind="pong", run_id=ctx.run_id, stage=ctx.stage, step=ctx.runner.step, meta=pong.to_meta()
+            )
         if frame.stage != ctx.stage:
             exists = 0 <= frame.stage < ctx.num_stages  # routing may lag a move by a heartbeat
             if not exists:
@@ -92,7 +94,9 @@ class StageService:
             message = str(e) if frame.kind == "forward" else f"stage {ctx.stage}: {e}"
             return self._error(message, e.cause, retryable=e.retryable, mb_id=frame.mb_id)
         except PeerUnreachableError as e:
-            return self._error(f"stage {ctx.stage + 1} unreachable: {e}", Cause.UNREACHABLE, mb_id=frame.mb_id)
+            return self._error(
+                f"stage {ctx.stage + 1} unreachable: {e}", Cause.UNREACHABLE, mb_id=frame.mb_id
+            )
         return self._error(f"stage peers do not take {frame.kind!r} frames", Cause.BAD_FRAME)
 
     async def _forward(self, frame: Frame, caller: str) -> Frame:

@@ -172,7 +172,9 @@ class ForwardServer:
             return
         if step > runner.step:
             self.ctx.on_behind()
-        raise RemoteError(f"stage {self.ctx.stage} is at step {runner.step}, not {step}", cause=Cause.WRONG_STEP)
+        raise RemoteError(
+            f"stage {self.ctx.stage} is at step {runner.step}, not {step}", cause=Cause.WRONG_STEP
+        )
 
     async def _compute(
         self, frame: Frame, meta: ForwardMeta, x, loss_inputs: dict, deadline: float
@@ -204,7 +206,9 @@ class ForwardServer:
         )
         return result, grad_x
 
-    async def _hop(self, frame: Frame, meta: ForwardMeta, out: torch.Tensor, loss_inputs: dict, deadline: float):
+    async def _hop(
+        self, frame: Frame, meta: ForwardMeta, out: torch.Tensor, loss_inputs: dict, deadline: float
+    ):
         """Send the output on to a replica of the next stage (see `hop.Hop`)."""
         ctx, nxt = self.ctx, self.ctx.stage + 1
 
@@ -225,7 +229,9 @@ class ForwardServer:
         def replayed(failure: HopFailure) -> None:
             if self.counters is not None:
                 self.counters.replayed += 1
-            logger.info("replaying microbatch %s to another replica of stage %d: %s", frame.mb_id, nxt, failure)
+            logger.info(
+                "replaying microbatch %s to another replica of stage %d: %s", frame.mb_id, nxt, failure
+            )
 
         hop = Hop(
             build=build,
@@ -243,5 +249,6 @@ class ForwardServer:
             return await hop.send(self._hops)
         except HopFailedError as e:
             raise RemoteError(
-                f"stage {nxt} did not complete microbatch {frame.mb_id} in time ({e})", cause=Cause.UNREACHABLE
+                f"stage {nxt} did not complete microbatch {frame.mb_id} in time ({e})",
+                cause=Cause.UNREACHABLE,
             ) from None

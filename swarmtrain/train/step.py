@@ -151,7 +151,12 @@ class TrainerStep:
     # flow
 
     async def _send(
-        self, n: int, *, replay: bool = False, prefer: tuple[str | None, ...] = (), needed_by: tuple[int, ...] = ()
+        self,
+        n: int,
+        *,
+        replay: bool = False,
+        prefer: tuple[str | None, ...] = (),
+        needed_by: tuple[int, ...] = (),
     ) -> None:
         """Get microbatch `n` through the pipeline once; record its loss and route."""
         ctx, mb = self.ctx, self.ids[n]
@@ -228,7 +233,9 @@ class TrainerStep:
     # commit
 
     async def _call_stage(self, peer: str, stage: int, request: CommitRequest) -> Frame:
-        frame = Frame(kind="step", run_id=self.ctx.run_id, stage=stage, step=self.step, meta=request.to_meta())
+        frame = Frame(
+            kind="step", run_id=self.ctx.run_id, stage=stage, step=self.step, meta=request.to_meta()
+        )
         return await self.ctx.transport.call(peer, self.ctx.handler, frame, timeout_s=COMMIT_CALL_TIMEOUT_S)
 
     async def _prepare(self) -> dict[int, list[ReplicaReport]]:
@@ -237,7 +244,11 @@ class TrainerStep:
         replicas = await ctx.replicas(refresh=True)
         now = time.monotonic()
         groups = {  # a replica that just failed us is left out: it is most likely dead
-            k: {p for p in set(replicas.get(k, [])) | self.ledger.routed_to(k) if not ctx.router.bans.is_banned(p, now)}
+            k: {
+                p
+                for p in set(replicas.get(k, [])) | self.ledger.routed_to(k)
+                if not ctx.router.bans.is_banned(p, now)
+            }
             for k in range(ctx.num_stages)
         }
         reports: dict[int, list[ReplicaReport]] = {k: [] for k in range(ctx.num_stages)}
@@ -251,7 +262,9 @@ class TrainerStep:
                 logger.info("stage %d replica %s left the commit: %s", k, peer[-8:], e)
                 return
             if reply.step == self.step:
-                reports[k].append(ReplicaReport(peer=peer, fresh=frozenset(prepared.fresh), held=frozenset(prepared.held)))
+                reports[k].append(
+                    ReplicaReport(peer=peer, fresh=frozenset(prepared.fresh), held=frozenset(prepared.held))
+                )
 
         await asyncio.gather(*(ask(k, p) for k, peers in groups.items() for p in peers))
         return reports
@@ -264,11 +277,15 @@ class TrainerStep:
             reports = await self._prepare()
             decision = decide_commit(self.ledger.issued, self.ledger.completed, reports)
             if decision.action == CommitAction.WAIT:
-                logger.warning("stage(s) %s have no live replica at step %d: waiting", list(decision.stages), self.step)
+                logger.warning(
+                    "stage(s) %s have no live replica at step %d: waiting", list(decision.stages), self.step
+                )
                 await ctx.replicas(refresh=True, wait_for_all=True)
                 continue
             if decision.action == CommitAction.ABORT:
-                logger.warning("stage(s) %s hold inexact gradients: discarding and replaying", list(decision.stages))
+                logger.warning(
+                    "stage(s) %s hold inexact gradients: discarding and replaying", list(decision.stages)
+                )
                 await asyncio.gather(
                     *(self._call_stage(r.peer, k, Abort()) for k in decision.stages for r in reports[k]),
                     return_exceptions=True,
@@ -284,7 +301,10 @@ class TrainerStep:
                 for repair in decision.repairs:
                     del self.ledger.losses[repair.mb]
                     await self._send(
-                        self.ids.index(repair.mb), replay=True, prefer=repair.prefer, needed_by=repair.needed_by
+                        self.ids.index(repair.mb),
+                        replay=True,
+                        prefer=repair.prefer,
+                        needed_by=repair.needed_by,
                     )
                 continue
             plans = decision.plans
@@ -308,7 +328,9 @@ class TrainerStep:
                 refused = next((e for e in errors if isinstance(e, RemoteError) and not e.retryable), None)
                 if refused is not None:
                     raise StepFailedError(f"step {self.step}: a stage refused to commit: {refused}")
-                logger.warning("commit of step %d: exchange failed (%s); planning again", self.step, errors[0])
+                logger.warning(
+                    "commit of step %d: exchange failed (%s); planning again", self.step, errors[0]
+                )
                 continue
             await self._apply({k: [r.peer for r in rs] for k, rs in reports.items()})
             return
@@ -328,11 +350,15 @@ class TrainerStep:
                     reply = await self._call_stage(peer, k, request)
                     applied = Applied.from_meta(reply.meta)
                 except (PeerUnreachableError, BadFrameError) as e:
-                    logger.warning("replica %s of stage %d did not apply step %d: %s", peer[-8:], k, self.step, e)
+                    logger.warning(
+                        "replica %s of stage %d did not apply step %d: %s", peer[-8:], k, self.step, e
+                    )
                     await asyncio.sleep(0.5 * (attempt + 1))
                     continue
                 except RemoteError as e:
-                    logger.warning("replica %s of stage %d refused to apply step %d: %s", peer[-8:], k, self.step, e)
+                    logger.warning(
+                        "replica %s of stage %d refused to apply step %d: %s", peer[-8:], k, self.step, e
+                    )
                     return
                 ctx.known_step[peer] = reply.step
                 if applied.digest is not None:

@@ -41,7 +41,9 @@ class Fault:
     """Calls it applied to so far."""
 
 
-def frame_is(kind: str, *, stage: int | None = None, phase: str | None = None, mb_id: str | None = None) -> Match:
+def frame_is(
+    kind: str, *, stage: int | None = None, phase: str | None = None, mb_id: str | None = None
+) -> Match:
     """A match on the request: its kind, and optionally its stage, commit phase or microbatch."""
 
     def match(_sender: str, _receiver: str, frame: Frame) -> bool:

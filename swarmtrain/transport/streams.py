@@ -112,7 +112,9 @@ class TensorTransport:
         if self.is_banned(peer):
             left = self._banned_until[peer] - time.monotonic()
             return error_frame(
-                "", f"this peer bans you for another {left:.0f} s after repeated bad frames", cause=Cause.BANNED
+                "",
+                f"this peer bans you for another {left:.0f} s after repeated bad frames",
+                cause=Cause.BANNED,
             )
         try:
             request = await asyncio.wait_for(

@@ -273,7 +273,9 @@ class CommitRequest(Message):
     @classmethod
     def from_meta(cls, meta: dict[str, Any], *, ignore: frozenset[str] = frozenset()):
         if isinstance(meta, dict) and meta.get("phase") != cls.PHASE.value:
-            raise BadFrameError(f"{cls.WHAT} meta must have phase {cls.PHASE.value!r}, got {meta.get('phase')!r}")
+            raise BadFrameError(
+                f"{cls.WHAT} meta must have phase {cls.PHASE.value!r}, got {meta.get('phase')!r}"
+            )
         return super().from_meta(meta, ignore=ignore | {"phase"})
 
     @staticmethod
