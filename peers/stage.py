@@ -17,18 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from hivemind.utils import get_dht_time
 
 import swarmtrain
-from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
+from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_stage
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
+from swarmtrain.peers.self_measure import capacity, device_label, link_figures, memory_used_bytes
 from swarmtrain.schedule import (
     ReadinessQueue,
     ReadinessRouter,
@@ -43,7 +44,6 @@ from swarmtrain.train.placement import choose_stage, stage_memory_figures
 from swarmtrain.train.service import ServeCounters, StageService
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
-from swarmtrain.wire.frames import Frame
 from swarmtrain.wire.records import MAX_BANNED_LISTED, PeerRecord, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ class StageConfig:
     run_id: str | None = None
     """Run to join; None joins the only run the swarm announces."""
     stage: int | None = None
-    """Stage to serve; None takes the stage with the fewest peers."""
+    """Stage to serve; None: a stage with no replica first, else the planner's join rule
+    (`swarmtrain.train.placement.choose_stage`)."""
     device: str = "cpu"
     """torch device for compute, e.g. 'cpu' or 'cuda:0'."""
     num_threads: int | None = None
@@ -160,7 +161,15 @@ class StagePeer:
     async def _serve(self, node: SwarmNode) -> None:
         cfg = self.config
         self.manifest = manifest = node.require_manifest(cfg.run_id)
-        self.capacity = await self._loop.run_in_executor(None, self._probe)  # alone: it times compute
+        probe = partial(
+            capacity,
+            cfg.device,
+            seconds=cfg.probe_s,
+            is_spot=cfg.is_spot,
+            max_memory_bytes=cfg.max_memory_bytes,
+            slowdown=cfg.slowdown,
+        )
+        self.capacity = await self._loop.run_in_executor(None, probe)  # alone: it times compute
         self._memory = await self._loop.run_in_executor(None, stage_memory_figures, manifest)
         fits = [True] * manifest.num_stages
         if cfg.max_memory_bytes is not None:
@@ -188,7 +197,8 @@ class StagePeer:
         await self._sync_from_replica()
         await self._measure_links()
         await self.refresh_replicas()
-        await self.transport.serve(handler_name(manifest.run_id), self._handle)
+        # the service is replaced when the peer moves: look it up for every request
+        await self.transport.serve(handler_name(manifest.run_id), lambda f, p: self.service.handle(f, p))
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: stop() is the way out
                 self._loop.add_signal_handler(sig, self._stop.set)
@@ -300,9 +310,6 @@ class StagePeer:
         logger.info("stage %d left the swarm (%d microbatches served)", self.stage, self.counters.served)
 
     def record(self) -> PeerRecord:
-        device = self.config.device
-        if device.startswith("cuda"):
-            device = f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
         ready = self.scheduler.readiness()
         banned = sorted(self.router.bans.banned(time.monotonic()))[:MAX_BANNED_LISTED]
         return PeerRecord(
@@ -310,7 +317,7 @@ class StagePeer:
             role="stage",
             stage=self.stage,
             state=self.state,
-            device=device,
+            device=device_label(self.config.device),
             version=swarmtrain.__version__,
             served=self.counters.served,
             step=self.runner.step,
@@ -321,7 +328,7 @@ class StagePeer:
             service_s=ready["service_s"],
             in_flight_budget=self.budget,
             holding=ready["holding"],
-            memory_used_bytes=self._memory_used(),
+            memory_used_bytes=memory_used_bytes(self.config.device),
             busy_s=self.scheduler.busy_s,
             replayed=self.counters.replayed,
             failed=self.counters.failed,
@@ -330,15 +337,6 @@ class StagePeer:
             bytes_received=self.transport.bytes_received,
             raw_bytes_sent=self.transport.raw_bytes_sent,
         )
-
-    def _memory_used(self) -> int:
-        if self.config.device.startswith("cuda"):
-            return int(torch.cuda.memory_allocated(torch.device(self.config.device)))
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            return 0
 
     async def _heartbeat(self) -> None:
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=self.config.ttl_s)
@@ -390,24 +388,10 @@ class StagePeer:
         return sorted(others, key=lambda r: -r.step)
 
     async def _sync_from_replica(self) -> bool:
-        """Download parameters and optimizer state from a live replica, if there is one.
-
-        A stage nobody serves keeps its run-seed initialisation. Returns True if state was taken.
-        """
-        for replica in await self._live_replicas():
-            request = Frame(kind="state", run_id=self.manifest.run_id, stage=self.stage)
-            try:
-                reply = await self.transport.call(
-                    replica.peer_id, handler_name(self.manifest.run_id), request, timeout_s=60
-                )
-                await self.scheduler.call(self.runner.import_state, reply.tensors, reply.step)
-            except (RemoteError, PeerUnreachableError, BadFrameError) as e:
-                logger.warning("could not take state from replica %s: %s", replica.peer_id[-8:], e)
-                continue
-            self.service.commit.reset()
-            logger.info("took the state of step %d from replica %s", reply.step, replica.peer_id[-8:])
-            return True
-        return False
+        """Take parameters and optimizer state from a live replica, if there is one (a stage
+        nobody serves keeps its run-seed initialisation). Returns True if state was taken."""
+        replicas = [r.peer_id for r in await self._live_replicas()]
+        return await self.service.take_state(replicas) is not None
 
     async def _resync_if_behind(self) -> bool:
         """A replica that missed a step (it joined mid-step, or left a commit) catches up when idle."""
@@ -457,40 +441,8 @@ class StagePeer:
     # serving
 
     async def _measure_links(self, max_peers: int = 3) -> None:
-        """RTT and bandwidth to a few stage peers over the real transport; the median
-        bandwidth is what this peer announces (the planner's network term)."""
-        from swarmtrain.peers.probe import measure_links
-
+        """RTT and bandwidth to a few stage peers: the planner's network term."""
         records = await self.node.peers_async(self.manifest.run_id)
         others = [r.peer_id for r in records if r.role == "stage" and r.peer_id != self.peer_id][:max_peers]
-        if not others:
-            return
-        links = await measure_links(
-            self.transport, others, self.manifest.run_id, payload_bytes=2**18, timeout_s=5
-        )
-        rates = sorted(v["bandwidth_bytes_per_s"] for v in links.values() if "bandwidth_bytes_per_s" in v)
-        if rates:
-            self.capacity["bandwidth_bytes_per_s"] = rates[len(rates) // 2]
-            self.capacity["rtt_s"] = min(v["rtt_s"] for v in links.values() if "rtt_s" in v)
-
-    def _probe(self) -> dict:
-        from swarmtrain.peers.probe import probe
-
-        cfg = self.config
-        cap = probe(
-            cfg.device,
-            seconds=cfg.probe_s,
-            is_spot=cfg.is_spot,
-            max_memory_bytes=cfg.max_memory_bytes,
-            slowdown=cfg.slowdown,
-        )
-        return {
-            "flops_per_s": cap.matmul_flops_per_s,
-            "memory_bytes": cap.usable_memory_bytes,
-            "is_spot": cap.is_spot,
-            "device_name": cap.device_name,
-            "slowdown": cap.slowdown,
-        }
-
-    async def _handle(self, frame: Frame, peer: str) -> Frame:
-        return await self.service.handle(frame, peer)
+        if others:
+            self.capacity.update(await link_figures(self.transport, others, self.manifest.run_id))

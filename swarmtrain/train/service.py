@@ -4,7 +4,8 @@
 - 'ping' -> 'pong' (state, counters, readiness);
 - 'forward' -> 'result' (`serving.ForwardServer`), refused while the replica drains;
 - 'step' -> 'step_done' (`commit.CommitParticipant`), 'grads' -> 'result' (the exchange);
-- 'state' -> 'state_data': parameters and optimizer state, for a joining or lagging replica.
+- 'state' -> 'state_data': parameters and optimizer state, for a joining or lagging replica
+  (`take_state` is the other side).
 A frame for another run or a stage that does not exist strikes the caller; a malformed
 request is refused as BAD_FRAME and strikes it; a failure of this replica or of the pipeline
 after it is answered with its cause, so the caller can replay elsewhere.
@@ -23,6 +24,9 @@ from swarmtrain.wire.frames import Frame, error_frame
 from swarmtrain.wire.messages import PongMeta, Readiness
 
 logger = logging.getLogger(__name__)
+
+STATE_TIMEOUT_S = 60.0
+"""Longest wait for a replica's state (all of a stage's parameters and optimizer state)."""
 
 
 @dataclass
@@ -98,6 +102,24 @@ class StageService:
                 f"stage {ctx.stage + 1} unreachable: {e}", Cause.UNREACHABLE, mb_id=frame.mb_id
             )
         return self._error(f"stage peers do not take {frame.kind!r} frames", Cause.BAD_FRAME)
+
+    async def take_state(self, replicas: list[str]) -> int | None:
+        """Download parameters and optimizer state from the first of `replicas` that answers
+        (a joining replica, or one that fell behind); returns the step taken, None if none did."""
+        ctx = self.ctx
+        for peer in replicas:
+            request = Frame(kind="state", run_id=ctx.run_id, stage=ctx.stage)
+            try:
+                reply = await ctx.transport.call(peer, ctx.handler, request, timeout_s=STATE_TIMEOUT_S)
+                await ctx.scheduler.call(ctx.runner.import_state, reply.tensors, reply.step)
+            except (RemoteError, PeerUnreachableError, BadFrameError) as e:
+                logger.warning("could not take state from replica %s: %s", peer[-8:], e)
+                continue
+            self.commit.reset()
+            self.forward.cache.clear()
+            logger.info("took the state of step %d from replica %s", reply.step, peer[-8:])
+            return reply.step
+        return None
 
     async def _forward(self, frame: Frame, caller: str) -> Frame:
         if self.ctx.is_draining():

@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 
 from swarmtrain.errors import ConfigError
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
+"""5: typed protocol meta (lists as lists), error causes, named loss inputs, the run's loss."""
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LOSS_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 """What a registered loss name looks like (swarmtrain.model.losses checks names against it too)."""
