@@ -156,25 +156,37 @@ def test_without_the_kept_gradient_the_mid_backward_replay_recomputes():
     assert swarm.replicas["s1r0"].tasks["loss"] > M
 
 
-def test_a_replica_killed_after_its_work_loses_it_and_the_commit_repairs_it():
-    # s1r0 dies as its third loss task starts: the gradients of the two microbatches it
-    # already finished are gone with it. Stage 0 replays the third to s1r1 itself; the commit
-    # finds the first two missing in stage 1 and replays them there; stage 0, which still has
-    # them, computes them again as replays and keeps those copies apart, so it adds nothing
-    # twice. (One microbatch in flight at a time: the router sends each to s1r0 until it dies.)
-    config = InProcessConfig(manifest=manifest(), replicas=(1, 2), window=1)
+def test_a_replica_killed_as_its_stage_starts_a_commit_loses_its_work_and_the_commit_repairs_it():
+    # s1r0 dies as the trainer's first commit starts: the gradients of the microbatches it
+    # served in step 0 are gone with it. The commit finds them missing in stage 1 and replays
+    # them there; stage 0, which still has them, computes them again as replays and keeps
+    # those copies apart, so it adds nothing twice.
+    config = InProcessConfig(manifest=manifest(), replicas=(1, 2))
 
     def before(swarm):
-        swarm.kill_on_task("s1r0", "loss", 3)
+        swarm.network.on_delivery(frame_is("step", phase="prepare"), lambda: swarm.kill("s1r0"))
 
     swarm, results = train(config, 2, before=before)
     assert "s1r0" in swarm.dead
+    lost = swarm.replicas["s1r0"].tasks["loss"]  # the router sends s1r0 the first microbatch
+    assert lost >= 1
     assert_parity(swarm, results)
-    assert results[0].replay_causes == {
-        "hop failure (replayed by a stage)": 1,
-        "lost with a replica (repaired at commit)": 2,
-    }
-    assert swarm.replicas["s1r1"].tasks["loss"] == 2 * M
+    assert results[0].replay_causes == {"lost with a replica (repaired at commit)": lost}
+    assert results[0].work[1] == {"s1r1": M}
+
+
+def test_a_replica_killed_mid_work_is_replayed_by_the_stage_before_it():
+    # s1r0 dies as it starts its second loss task: stage 0 replays that microbatch to s1r1
+    # itself, and whatever s1r0 had finished in that step the commit repairs.
+    config = InProcessConfig(manifest=manifest(), replicas=(1, 2))
+
+    swarm, results = train(config, 2, before=lambda swarm: swarm.kill_on_task("s1r0", "loss", 2))
+    assert "s1r0" in swarm.dead
+    assert_parity(swarm, results)
+    fatal = swarm.replicas["s1r0"].started[-1]
+    causes = results[fatal.step].replay_causes
+    assert causes["hop failure (replayed by a stage)"] >= 1
+    assert set(causes) <= {"hop failure (replayed by a stage)", "lost with a replica (repaired at commit)"}
 
 
 def test_a_duplicated_forward_counts_once():

@@ -14,6 +14,8 @@ It runs on the caller's event loop: `async with InProcessSwarm(...) as swarm: aw
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swarmtrain.errors import ConfigError
@@ -65,8 +67,13 @@ class Replica:
     runner: StageRunner
     scheduler: ComputeScheduler
     service: StageService
-    tasks: dict[str, int] = field(default_factory=dict)
-    """Tasks started, by kind."""
+    started: list[Task] = field(default_factory=list)
+    """Tasks started, in order."""
+
+    @property
+    def tasks(self) -> dict[str, int]:
+        """Tasks started, by kind."""
+        return dict(Counter(t.kind for t in self.started))
 
 
 class InProcessSwarm:
@@ -80,7 +87,7 @@ class InProcessSwarm:
         self.dead: set[str] = set()
         self.trainer_step = 0
         self.known_step: dict[str, int] = {}
-        self._kills: dict[tuple[str, str], int] = {}
+        self._kills: dict[str, Callable[[Task, list[Task]], bool]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         static = m.schedule == "static"
         self.router = RoundRobinRouter() if static else ReadinessRouter()
@@ -137,14 +144,24 @@ class InProcessSwarm:
 
     def kill_on_task(self, name: str, kind: str, n: int) -> None:
         """Kill replica `name` as its `n`-th task of `kind` ('forward', 'backward', 'loss') starts."""
-        self._kills[(name, kind)] = n
+        self.kill_when(
+            name, lambda task, before: task.kind == kind and sum(t.kind == kind for t in before) == n - 1
+        )
+
+    def kill_when(self, name: str, when: Callable[[Task, list[Task]], bool]) -> None:
+        """Kill replica `name` as a task starts for which `when(task, the tasks started before)` holds."""
+        self._kills[name] = when
 
     def _before_task(self, name: str, task: Task) -> None:
         replica = self.replicas[name]
-        replica.tasks[task.kind] = count = replica.tasks.get(task.kind, 0) + 1
-        if self._kills.get((name, task.kind)) == count:
+        when = self._kills.get(name)
+        fatal = when is not None and when(task, replica.started)
+        replica.started.append(task)
+        if fatal:
             self._loop.call_soon_threadsafe(self.kill, name)
-            raise ReplicaKilled(f"{name} was killed as its {task.kind} task {count} started")
+            raise ReplicaKilled(
+                f"{name} was killed as its {task.kind} task of microbatch {task.mb_id} started"
+            )
 
     # running
 

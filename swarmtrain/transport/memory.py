@@ -13,7 +13,9 @@ applied to the first `times` matching calls:
 - `lose_reply(match)`: the callee does the work, the reply never arrives; the caller times out.
 - `delay(match, seconds)`: the request reaches the callee `seconds` late (a slow link or peer).
 - `duplicate(match)`: the callee receives the request twice; the caller gets the first reply.
-- `hold(match)`: the request waits until `release()`d: a test can reorder frames at will.
+- `hold(match)`: the request waits until `released.set()`: a test can reorder frames at will.
+- `on_delivery(match, fn)`: `fn()` runs just before the request is delivered (kill a peer
+  at an exact point of the protocol, say).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Fault:
     times: int = 1
     delay_s: float = 0.0
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    action: Callable[[], None] | None = None
     hits: int = 0
     """Calls it applied to so far."""
 
@@ -88,8 +91,8 @@ class MemoryNetwork:
 
     # faults
 
-    def add(self, kind: str, match: Match, *, times: int = 1, delay_s: float = 0.0) -> Fault:
-        fault = Fault(kind=kind, match=match, times=times, delay_s=delay_s)
+    def add(self, kind: str, match: Match, *, times: int = 1, delay_s: float = 0.0, action=None) -> Fault:
+        fault = Fault(kind=kind, match=match, times=times, delay_s=delay_s, action=action)
         self.faults.append(fault)
         return fault
 
@@ -104,6 +107,9 @@ class MemoryNetwork:
 
     def hold(self, match: Match, *, times: int = 1) -> Fault:
         return self.add("hold", match, times=times)
+
+    def on_delivery(self, match: Match, fn: Callable[[], None], *, times: int = 1) -> Fault:
+        return self.add("call", match, times=times, action=fn)
 
     def kill(self, peer: str) -> None:
         """The peer dies: it answers nothing more, and every call it serves or makes breaks."""
@@ -129,12 +135,15 @@ class MemoryNetwork:
 
     async def deliver(self, sender: str, receiver: str, name: str, request: Frame, data: bytes) -> Frame:
         """Hand `request` (encoded as `data`) to `receiver`'s handler `name`; its reply."""
+        faults = self._faults_for(sender, receiver, request)
+        for f in faults:
+            if f.kind == "call":
+                f.action()
         if sender in self.dead:
             raise PeerUnreachableError(f"peer {sender[-8:]} is dead")
         callee = self.transports.get(receiver)
         if receiver in self.dead or callee is None or name not in callee.handlers:
             raise PeerUnreachableError(f"cannot open a stream to peer {receiver[-8:]}: no such peer")
-        faults = self._faults_for(sender, receiver, request)
         kinds = {f.kind for f in faults}
         for f in faults:
             if f.kind == "delay":
