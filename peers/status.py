@@ -229,7 +229,7 @@ def render_status(status: dict) -> Group:
     else:
         headline = Text(
             f"run {m['run_id']!r}: {m['model']}, {m['num_blocks']} blocks in {m['num_stages']} stages "
-            f"{m['stage_bounds']}, schedule {m['schedule']}, step {step}"
+            f"{m['stage_bounds']}, schedule {m['schedule']}{', loss ' + m['loss'] if m.get('loss') else ''}, step {step}"
             + (f" of {m['max_steps']}" if m["max_steps"] else "")
         )
         if m["compressed"]:

@@ -120,3 +120,11 @@ def test_status_names_the_runs_codecs():
     text = printed(read_status(FakeSwarm([compressed], {"dash": PEERS}), None, now=100.0))
     assert "compression: activations nf4-s16, gradients int8, averaging int8,none, error feedback on" in text
     assert "compression:" not in printed(read_status(FakeSwarm([DASH], {"dash": PEERS}), None, now=100.0))
+
+
+def test_status_names_the_runs_loss_when_the_manifest_names_one():
+    weighted = dataclasses.replace(DASH, loss="weighted_cross_entropy")
+    assert ", loss weighted_cross_entropy, step" in printed(
+        read_status(FakeSwarm([weighted], {"dash": PEERS}), None, now=100.0)
+    )
+    assert ", loss " not in printed(read_status(FakeSwarm([DASH], {"dash": PEERS}), None, now=100.0))

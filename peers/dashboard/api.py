@@ -25,6 +25,9 @@ class ManifestSummary(BaseModel):
     optimizer: dict
     max_steps: int = Field(description="Steps the run aims for (0: until stopped).")
     schedule: str = Field(description="'readiness' or 'static'.")
+    loss: str | None = Field(
+        description="The registered loss the last stage computes (None: the model's own)."
+    )
     compression: dict = Field(
         description="Codecs per direction: one for the whole pipeline or a comma-separated list per boundary "
         "(activations, gradients) or per stage (averaging); and error_feedback."

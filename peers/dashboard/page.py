@@ -211,6 +211,7 @@ function render(view) {
   const m = view.manifest;
   document.getElementById("run").textContent = m ? `run ${m.run_id} \\u00b7 ${m.model} \\u00b7 ` +
     `${m.num_blocks} blocks in ${m.num_stages} stages \\u00b7 ${view.peers.length} peers` +
+    (m.loss ? ` \\u00b7 loss ${m.loss}` : "") +
     (m.max_steps ? ` \\u00b7 ${m.max_steps} steps planned` : "") : "waiting for the run manifest\\u2026";
   const t = view.trainers[0], step = view.series.step;
   document.getElementById("progress").textContent = (step.length ? `step ${step[step.length - 1]}` : "") +

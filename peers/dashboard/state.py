@@ -342,6 +342,7 @@ class SwarmView:
             "optimizer": m.optimizer.to_dict(),
             "max_steps": m.max_steps,
             "schedule": m.schedule,
+            "loss": m.loss,
             "compression": m.compression.to_dict(),
             "compressed": m.compression.is_enabled,
         }
