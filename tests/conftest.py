@@ -81,3 +81,16 @@ def assert_losses_match_reference(results, reference, *, rtol: float = 1e-4) -> 
 
     losses = torch.tensor([r.loss for r in results])
     torch.testing.assert_close(losses, torch.tensor(reference.losses), rtol=rtol, atol=0)
+
+
+def assert_replicas_verified(results, *, some_compared: bool = True) -> None:
+    """Steps trained with verify_replicas: wherever a stage's replicas were compared (two or
+    more answered the apply) they hashed equal, and elsewhere the verdict says nothing was
+    compared (None, never a vacuous True). With `some_compared`, at least one step compared
+    two replicas."""
+    compared = [max(r.replicas_compared.values(), default=0) >= 2 for r in results]
+    assert [r.replicas_equal for r in results] == [True if c else None for c in compared], [
+        (r.step, r.replicas_equal, r.replicas_compared) for r in results
+    ]
+    if some_compared:
+        assert any(compared), [r.replicas_compared for r in results]

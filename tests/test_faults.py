@@ -13,7 +13,13 @@ import pytest
 
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
-from tests.conftest import TINY_GPT, assert_losses_match_reference, reference_losses, wait_until
+from tests.conftest import (
+    TINY_GPT,
+    assert_losses_match_reference,
+    assert_replicas_verified,
+    reference_losses,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -46,7 +52,7 @@ def wait_for_serving(trainer, replicas: dict[int, int]) -> None:
 def assert_every_microbatch_counted(results, per_step: int) -> None:
     for r in results:
         assert r.completed == per_step and r.dropped == 0, r
-        assert r.replicas_equal is True, f"step {r.step}: replicas differ"
+    assert_replicas_verified(results, some_compared=False)
 
 
 def assert_parity(results, steps: int) -> None:
@@ -91,6 +97,7 @@ def test_peers_lost_mid_forward_and_mid_backward_lose_nothing(local_swarm, actio
     steps = len(results)
     assert [r.step for r in results] == list(range(steps))
     assert_every_microbatch_counted(results, BATCH.microbatches_per_step)
+    assert_replicas_verified(results)  # the first steps compared two replicas of stages 0 and 1
     assert_parity(results, steps)
     if action == "kill":
         assert sum(r.replays for r in results) > 0  # the killed peers' work was replayed

@@ -9,7 +9,7 @@ from swarmtrain.peers.trainer import StepFailedError
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.train.reference import train_reference
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
-from tests.conftest import TINY_GPT, wait_until
+from tests.conftest import TINY_GPT, assert_replicas_verified, wait_until
 
 pytestmark = pytest.mark.swarm
 
@@ -130,7 +130,7 @@ def test_static_schedule_with_a_replicated_stage_matches_single_process(local_sw
     torch.testing.assert_close(
         torch.tensor([r.loss for r in results]), torch.tensor(reference.losses), rtol=LOSS_RTOL, atol=0
     )
-    assert all(r.replicas_equal for r in results)
+    assert_replicas_verified(results)
     # round-robin: both replicas of stage 1 work (a replica that missed a step while its record
     # spread catches up by taking the other's state, and gets its turns again)
     assert any(swarm.wait_ready(second) in r.work[1] and len(r.work[1]) == 2 for r in results)
