@@ -28,7 +28,7 @@ _EXPORTS = {
     "StageConfig": "swarmtrain.peers.stage",
     "Trainer": "swarmtrain.peers.trainer",
     "TrainerConfig": "swarmtrain.peers.trainer",
-    "StepResult": "swarmtrain.peers.trainer",
+    "StepResult": "swarmtrain.train.step",
     "LocalSwarm": "swarmtrain.peers.launcher",
     "LocalSwarmConfig": "swarmtrain.peers.launcher",
     "NodeConfig": "swarmtrain.swarm",
