@@ -299,3 +299,37 @@ def test_a_loss_over_extra_named_inputs_runs_through_the_pipeline_in_parity():
         seed=m.seed, optimizer=m.optimizer, batches=iter(batches()), steps=1, microbatches_per_step=M
     )
     assert abs(results[0].loss - unweighted.losses[0]) > 1e-3  # the weights did change the loss
+
+
+def test_malformed_commit_fields_are_refused_as_bad_frames_and_strike_the_sender():
+    from swarmtrain.wire.frames import Frame
+
+    bad = [
+        {"phase": "apply", "grad_scale": "1"},
+        {"phase": "exchange", "fresh": "a b", "take": [], "group": ["s1r0"]},
+        {"phase": "launch"},
+    ]
+
+    async def scenario():
+        async with InProcessSwarm(InProcessConfig(manifest=manifest(), replicas=(1, 1))) as swarm:
+            target = swarm.replicas["s1r0"].service.ctx
+
+            async def call(meta):
+                frame = Frame(kind="step", run_id="protocol", stage=1, step=0, meta=meta)
+                try:
+                    await swarm.trainer.call("s1r0", target.handler, frame, timeout_s=5)
+                except RemoteError as e:
+                    return e
+
+            # an integer grad_scale is a number like any other: only the phase's state refuses it
+            early = await call({"phase": "apply", "grad_scale": 1})
+            errors = [await call(meta) for meta in bad]
+            late = await call({"phase": "prepare"})
+            return early, errors, late
+
+    early, errors, late = asyncio.run(scenario())
+    assert "step 0 was not exchanged on this replica" in str(early) and early.cause == Cause.OWN_FAILURE
+    assert [e.cause for e in errors] == [Cause.BAD_FRAME] * 3 and not any(e.retryable for e in errors)
+    assert "'grad_scale' must be a number" in str(errors[0]) and "'fresh' must be a list" in str(errors[1])
+    assert "unknown commit phase 'launch'" in str(errors[2])
+    assert late.cause == Cause.BANNED  # three bad frames: the sender is banned
