@@ -301,7 +301,7 @@ def test_a_loss_over_extra_named_inputs_runs_through_the_pipeline_in_parity():
     assert abs(results[0].loss - unweighted.losses[0]) > 1e-3  # the weights did change the loss
 
 
-def test_malformed_commit_fields_are_refused_as_bad_frames_and_strike_the_sender():
+def test_malformed_protocol_fields_are_refused_as_bad_frames_and_strike_the_sender():
     from swarmtrain.wire.frames import Frame
 
     bad = [
@@ -324,12 +324,28 @@ def test_malformed_commit_fields_are_refused_as_bad_frames_and_strike_the_sender
             # an integer grad_scale is a number like any other: only the phase's state refuses it
             early = await call({"phase": "apply", "grad_scale": 1})
             errors = [await call(meta) for meta in bad]
+            x, loss_inputs = loss_inputs_of(next(iter(batches())))
+            x = swarm.replicas["s0r0"].runner.module.embed(x).detach()  # stage 1's input: (B, T, C)
+            static = {"loss_scale": 0.5, "budget_s": 5.0, "slots": [0], "slot_counts": [1], "microbatches": 4}
+            frame = Frame(
+                kind="forward",
+                run_id="protocol",
+                stage=1,
+                step=0,
+                tensors={"x": x, **loss_inputs},
+                meta=static,
+            )
+            try:
+                await swarm.network.transports["s0r0"].call("s1r0", target.handler, frame, timeout_s=5)
+            except RemoteError as e:
+                errors.append(e)
             late = await call({"phase": "prepare"})
             return early, errors, late
 
     early, errors, late = asyncio.run(scenario())
     assert "step 0 was not exchanged on this replica" in str(early) and early.cause == Cause.OWN_FAILURE
-    assert [e.cause for e in errors] == [Cause.BAD_FRAME] * 3 and not any(e.retryable for e in errors)
+    assert [e.cause for e in errors] == [Cause.BAD_FRAME] * 4 and not any(e.retryable for e in errors)
     assert "'grad_scale' must be a number" in str(errors[0]) and "'fresh' must be a list" in str(errors[1])
     assert "unknown commit phase 'launch'" in str(errors[2])
+    assert "forward meta slots name 1 stages, the run has 2" in str(errors[3])
     assert late.cause == Cause.BANNED  # three bad frames: the sender is banned

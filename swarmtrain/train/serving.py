@@ -124,6 +124,10 @@ class ForwardServer:
         self._check_step(frame.step)
         self.cache.at_step(frame.step)
         if meta.slots:
+            if len(meta.slots) != ctx.num_stages:
+                raise BadFrameError(
+                    f"forward meta slots name {len(meta.slots)} stages, the run has {ctx.num_stages}"
+                )
             orders = expected_orders(meta.slots[ctx.stage], meta.slot_counts[ctx.stage], meta.microbatches)
             ctx.scheduler.expect(frame.step, orders, ctx.num_stages - ctx.stage)
         # The cache may answer only when no stage from here on lacks the work.
