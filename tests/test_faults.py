@@ -97,7 +97,6 @@ def test_peers_lost_mid_forward_and_mid_backward_lose_nothing(local_swarm, actio
     steps = len(results)
     assert [r.step for r in results] == list(range(steps))
     assert_every_microbatch_counted(results, BATCH.microbatches_per_step)
-    assert_replicas_verified(results)  # the first steps compared two replicas of stages 0 and 1
     assert_parity(results, steps)
     if action == "kill":
         assert sum(r.replays for r in results) > 0  # the killed peers' work was replayed
