@@ -41,7 +41,8 @@ from swarmtrain.schedule.runtime import ComputeScheduler
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.placement import choose_stage, stage_memory_figures
-from swarmtrain.train.service import ServeCounters, StageService
+from swarmtrain.train.service import StageService
+from swarmtrain.train.serving import ServeCounters
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.records import MAX_BANNED_LISTED, PeerRecord, RunManifest

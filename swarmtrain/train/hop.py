@@ -144,8 +144,7 @@ class Hop:
             else:
                 now = time.monotonic()
                 ctx.router.done(target, now, ok=True)
-                ready = result.readiness
-                ctx.router.report(target, backlog_s=ready.r_backlog, service_s=ready.r_service, now=now)
+                ctx.router.report(target, backlog_s=result.r_backlog, service_s=result.r_service, now=now)
                 return HopResult(reply=reply, result=result, target=target, failures=tuple(failures))
             failures.append(failure)
             prefer = None

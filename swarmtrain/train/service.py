@@ -14,12 +14,11 @@ after it is answered with its cause, so the caller can replay elsewhere.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
 from swarmtrain.train.commit import CommitParticipant
 from swarmtrain.train.context import StageContext
-from swarmtrain.train.serving import ForwardServer
+from swarmtrain.train.serving import ForwardServer, ServeCounters
 from swarmtrain.wire.frames import Frame, error_frame
 from swarmtrain.wire.messages import PongMeta, Readiness
 
@@ -27,18 +26,6 @@ logger = logging.getLogger(__name__)
 
 STATE_TIMEOUT_S = 60.0
 """Longest wait for a replica's state (all of a stage's parameters and optimizer state)."""
-
-
-@dataclass
-class ServeCounters:
-    """What a replica did, over its life (it may serve several stages in turn)."""
-
-    served: int = 0
-    """Microbatches answered."""
-    failed: int = 0
-    """Microbatches refused or failed."""
-    replayed: int = 0
-    """Hops replayed to another replica downstream."""
 
 
 class StageService:

@@ -24,7 +24,6 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Protocol
 
 import torch
 
@@ -51,8 +50,16 @@ class _Answered:
     grad: torch.Tensor | None
 
 
-class ReplayCounter(Protocol):
-    replayed: int
+@dataclass
+class ServeCounters:
+    """What a replica did, over its life (it may serve several stages in turn)."""
+
+    served: int = 0
+    """Microbatches answered."""
+    failed: int = 0
+    """Microbatches refused or failed."""
+    replayed: int = 0
+    """Hops replayed to another replica downstream."""
 
 
 class ReplayCache:
@@ -94,11 +101,10 @@ def split_tensors(frame: Frame) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 class ForwardServer:
     """Serves forward requests for one stage replica (see the module docstring)."""
 
-    def __init__(self, ctx: StageContext, counters: ReplayCounter | None = None):
+    def __init__(self, ctx: StageContext, counters: ServeCounters | None = None):
         self.ctx = ctx
         self.cache = ReplayCache()
-        self.counters = counters
-        """Counts the hops this stage replays to another replica downstream (`replayed`)."""
+        self.counters = counters or ServeCounters()
         self._hops = HopContext(
             router=ctx.router,
             transport=ctx.transport,
@@ -149,13 +155,7 @@ class ForwardServer:
             if codec != "none":
                 codecs["grad"] = codec
         ready = Readiness.of(ctx.scheduler.readiness())
-        reply = replace(
-            result,
-            service_s=time.monotonic() - started,
-            r_backlog=ready.r_backlog,
-            r_service=ready.r_service,
-            r_queue=ready.r_queue,
-        )
+        reply = replace(result, service_s=time.monotonic() - started, **ready.to_meta())
         return Frame(
             kind="result",
             run_id=ctx.run_id,
@@ -231,8 +231,7 @@ class ForwardServer:
             )
 
         def replayed(failure: HopFailure) -> None:
-            if self.counters is not None:
-                self.counters.replayed += 1
+            self.counters.replayed += 1
             logger.info(
                 "replaying microbatch %s to another replica of stage %d: %s", frame.mb_id, nxt, failure
             )

@@ -158,11 +158,6 @@ class Readiness(Message):
         """From `ComputeScheduler.readiness()`."""
         return cls(r_backlog=ready["backlog_s"], r_service=ready["service_s"], r_queue=ready["queue_depth"])
 
-    @classmethod
-    def pick(cls, meta: dict[str, Any]) -> Readiness:
-        """The readiness keys of a larger meta (a result or pong)."""
-        return cls.from_meta({k: meta[k] for k in cls.FIELDS if k in meta})
-
 
 NO_PREFERENCE = ""
 """In a route preference: any replica of that stage will do."""
@@ -223,8 +218,9 @@ class ForwardMeta(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ResultMeta(Message):
-    """The reply to a forward: the loss came back (and, but at stage 0, the input gradient)."""
+class ResultMeta(Readiness):
+    """The reply to a forward: the loss came back (and, but at stage 0, the input gradient),
+    with the replying replica's readiness."""
 
     WHAT = "result"
     FIELDS = {
@@ -242,13 +238,6 @@ class ResultMeta(Message):
     """Hops replayed on the way (by the stages from here on)."""
     service_s: float = 0.0
     """Seconds the replying stage spent on it, waiting included."""
-    r_backlog: float = 0.0
-    r_service: float = 0.0
-    r_queue: int = 0
-
-    @property
-    def readiness(self) -> Readiness:
-        return Readiness(r_backlog=self.r_backlog, r_service=self.r_service, r_queue=self.r_queue)
 
 
 class CommitPhase(StrEnum):
@@ -368,8 +357,8 @@ class GradsMeta(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PongMeta(Message):
-    """The reply to a ping: the replica's state and counters."""
+class PongMeta(Readiness):
+    """The reply to a ping: the replica's state, counters and readiness."""
 
     WHAT = "pong"
     FIELDS = {
@@ -383,9 +372,6 @@ class PongMeta(Message):
     served: int = 0
     failed: int = 0
     in_flight: int = 0
-    r_backlog: float = 0.0
-    r_service: float = 0.0
-    r_queue: int = 0
 
 
 __all__ = [
