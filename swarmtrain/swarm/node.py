@@ -26,7 +26,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from swarmtrain.errors import ConfigError, RunNotFoundError, SwarmError
-from swarmtrain.wire.records import PeerRecord, RunManifest, check_run_id
+from swarmtrain.wire.records import PEER_ID_PATTERN, PeerRecord, RunManifest, check_run_id
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,6 @@ MADDR_PATTERN = re.compile(
     r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/(tcp|udp)/([^/]+)(?:/quic|/quic-v1)?(?:/p2p/([^/]*))?$"
 )
 """A peer multiaddr, loosely: the parts are checked one by one so the error can name the bad one."""
-PEER_ID_PATTERN = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
-"""A libp2p peer id as libp2p prints it: base58btc, e.g. 12D3KooW... or Qm..."""
 ADDRESS_FORM = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
 GO_LOG_TIME = re.compile(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(\.\d+)? ")
 """The timestamp Go's log package puts before the daemon's messages."""

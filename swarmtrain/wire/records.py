@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 
 from swarmtrain.errors import ConfigError
 
-WIRE_VERSION = 5
-"""5: typed protocol meta (lists as lists), error causes, named loss inputs, the run's loss."""
+WIRE_VERSION = 6
+"""6: signed records, the run's authorized trainers, the private swarm's stream challenge.
+5: typed protocol meta (lists as lists), error causes, named loss inputs, the run's loss."""
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LOSS_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 """What a registered loss name looks like (swarmtrain.model.losses checks names against it too)."""
@@ -27,6 +28,10 @@ CODEC_CHOICES = ("none", "fp16", "bf16", "int8", "nf4", "uint4", "int8-s16", "nf
 block scales in fp16), or 'auto' (chosen per link by swarmtrain.compress.policy from its
 measured bandwidth)."""
 PEER_STATES = ("joining", "serving", "draining")
+PEER_ID_PATTERN = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
+"""A libp2p peer id as libp2p prints it: base58btc, e.g. 12D3KooW... or Qm..."""
+MAX_TRAINERS = 64
+"""Trainers a manifest may authorize."""
 MAX_BANNED_LISTED = 16
 """Banned peers a peer record lists at most (a record stays small whatever a peer sees)."""
 
@@ -293,10 +298,21 @@ class RunManifest:
     """The loss the last stage computes, by registered name ('cross_entropy',
     'weighted_cross_entropy', or one the builder's module registers); None: the model's own.
     It fixes the named inputs every microbatch carries (swarmtrain.model.losses)."""
+    trainers: tuple[str, ...] = ()
+    """Peer ids of the trainers the run's owner authorizes to drive it: only they may send a
+    stage its microbatches (under their own ids) and its commit phases."""
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self):
         check_run_id(self.run_id)
+        trainers = self.trainers
+        if (
+            not isinstance(trainers, list | tuple)
+            or len(trainers) > MAX_TRAINERS
+            or not all(isinstance(t, str) and PEER_ID_PATTERN.match(t) for t in trainers)
+        ):
+            raise ConfigError(f"manifest: trainers must list at most {MAX_TRAINERS} peer ids, got {trainers!r}")
+        object.__setattr__(self, "trainers", tuple(trainers))
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("manifest: model must be a builder name or an import path")
         if self.loss is not None:
@@ -364,6 +380,7 @@ class RunManifest:
             "schedule": self.schedule,
             "compression": self.compression.to_dict(),
             "loss": self.loss,
+            "trainers": list(self.trainers),
             "wire_version": self.wire_version,
         }
 
