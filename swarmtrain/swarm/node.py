@@ -1,16 +1,10 @@
 """A peer's place in the swarm: its hivemind DHT node and what it reads and writes there.
 
-DHT keys (all under the run id):
-
-| key                | subkey  | value                  | expiry                        |
-|--------------------|---------|------------------------|-------------------------------|
-| `{run}.manifest`   | -       | RunManifest.to_dict()  | republished by coordinators   |
-| `{run}.peers`      | peer id | PeerRecord.to_dict()   | heartbeat TTL                 |
-| `swarmtrain.runs`  | run id  | {model, num_stages}    | republished by coordinators   |
-
-The last key lets a peer that asks for an unknown run id say which runs do exist.
-One libp2p identity per process: the DHT, the tensor streams and (later) the averagers
-share it through `replicate_p2p()`.
+The keys and their records are listed in `swarmtrain.wire.keys`. Every record is signed by
+the peer that wrote it and stored under that peer's id (`swarmtrain.trust.records`); every
+node validates what it stores and what lookups return, and a private swarm's nodes also
+seal each record with the swarm key. One libp2p identity per process, from its key file
+(`NodeConfig.identity_path`): the DHT, the tensor streams and the record signatures share it.
 """
 
 from __future__ import annotations
@@ -18,7 +12,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import hivemind
 from hivemind.p2p import P2P
@@ -26,11 +22,15 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils import get_dht_time
 
 from swarmtrain.errors import ConfigError, RunNotFoundError, SwarmError
+from swarmtrain.trust.identity import Identity
+from swarmtrain.trust.owner import OwnerPins, choose_owner
+from swarmtrain.trust.records import open_record, sign_record, validators
+from swarmtrain.trust.swarmkey import SwarmKey, load_swarm_key
+from swarmtrain.wire.keys import RUNS_KEY, manifest_key, peers_key, run_summary, trainers_key
 from swarmtrain.wire.records import PEER_ID_PATTERN, PeerRecord, RunManifest, check_run_id
 
 logger = logging.getLogger(__name__)
 
-RUNS_KEY = "swarmtrain.runs"
 MADDR_PATTERN = re.compile(
     r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/(tcp|udp)/([^/]+)(?:/quic|/quic-v1)?(?:/p2p/([^/]*))?$"
 )
@@ -38,19 +38,6 @@ MADDR_PATTERN = re.compile(
 ADDRESS_FORM = "/ip4/HOST/tcp/PORT/p2p/PEER_ID"
 GO_LOG_TIME = re.compile(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(\.\d+)? ")
 """The timestamp Go's log package puts before the daemon's messages."""
-
-
-def manifest_key(run_id: str) -> str:
-    return f"{run_id}.manifest"
-
-
-def peers_key(run_id: str) -> str:
-    return f"{run_id}.peers"
-
-
-def trainers_key(run_id: str) -> str:
-    """Subkey: trainer peer id; value: its latest TrainerPoint (what the dashboard charts)."""
-    return f"{run_id}.trainers"
 
 
 def check_peer_address(addr: str) -> str:
@@ -114,8 +101,21 @@ class NodeConfig:
     client_mode: bool = False
     """Read and write the DHT without serving it to others (a short-lived reader such as
     `swarmtrain status`); needs `initial_peers`."""
+    identity_path: str | None = None
+    """Key file of this peer's identity (--identity; made if missing). None: a key made for
+    this process alone (a new peer id each start)."""
+    swarm_key_path: str | None = None
+    """The private swarm's key file (--swarm-key); None: an open swarm."""
+    run_owner: str | None = None
+    """Peer id of the run's owner whose manifest alone to accept (--run-owner); None: the
+    owner whose address is in `initial_peers`, else the one pinned, else the only one."""
 
     def __post_init__(self):
+        if self.run_owner is not None and not PEER_ID_PATTERN.match(str(self.run_owner)):
+            raise ConfigError(
+                f"--run-owner {self.run_owner!r} is not a peer id (base58, like Qm... or 12D3KooW...): "
+                "give the owner id the run's coordinator printed"
+            )
         object.__setattr__(self, "initial_peers", check_initial_peers(self.initial_peers))
         check_host(self.host)
         if self.announce_host is not None:
@@ -152,8 +152,24 @@ def _explain_daemon_error(e: Exception, cfg: NodeConfig) -> str:
 class SwarmNode:
     """A started DHT node. Sync methods block; `*_async` ones await the DHT process."""
 
-    def __init__(self, config: NodeConfig):
+    def __init__(self, config: NodeConfig, *, identity: Identity | None = None):
         self.config = config
+        self.swarm_key: SwarmKey | None = (
+            None if config.swarm_key_path is None else load_swarm_key(config.swarm_key_path)
+        )
+        scratch = None
+        if identity is None and config.identity_path is None:
+            scratch = tempfile.TemporaryDirectory(prefix="swarmtrain-id-")
+            identity = Identity.load(Path(scratch.name) / "peer.key")
+        self.identity = identity or Identity.load(config.identity_path)
+        self.pins = OwnerPins()
+        self._owners: dict[str, str] = {}
+        """run id -> the owner whose manifest this node accepted."""
+        self._held: dict[tuple[str, str], tuple[dict, float]] = {}
+        """(key, owner) -> (envelope, expiration): an owner's signed manifest and run-list
+        entry, as read, which this node stores again to keep them alive."""
+        self._run_entries: dict[tuple[str, str], tuple[dict, float]] = {}
+        """(owner, run id) -> the owner's signed run-list entry, as read."""
         host_maddrs = [f"/ip4/{config.host}/tcp/{config.port}"]
         announce = None
         if config.announce_host and config.port:
@@ -164,10 +180,20 @@ class SwarmNode:
                 host_maddrs=host_maddrs,
                 announce_maddrs=announce,
                 client_mode=config.client_mode,
+                record_validators=validators(self.swarm_key),
+                identity_path=str(self.identity.path),
+                check_if_identity_free=False,
                 start=True,
             )
         except P2PDaemonError as e:
             raise SwarmError(_explain_daemon_error(e, config)) from None
+        finally:
+            if scratch is not None:
+                scratch.cleanup()
+        if self.dht.peer_id.to_base58() != self.identity.peer_id:
+            raise SwarmError(
+                f"the p2p daemon took peer id {self.dht.peer_id} instead of {self.identity.peer_id}"
+            )
         self._p2p: P2P | None = None
 
     @property
@@ -194,39 +220,84 @@ class SwarmNode:
         if self.dht.is_alive():
             self.dht.shutdown()
 
+    # signed records
+
+    def _put(self, key: str, body, expiration_time: float, *, wait: bool = True):
+        """Store `body` under `key`, subkey this peer, signed; a future if not `wait`."""
+        envelope = sign_record(self.identity, key, body, expiration_time)
+        return self.dht.store(
+            key, envelope, expiration_time=expiration_time, subkey=self.peer_id, return_future=not wait
+        )
+
+    def _signed_by(self, found) -> dict[str, tuple[dict, float]]:
+        """{signer: (envelope, expiration)} of a subkeyed lookup (the DHT validated each)."""
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {
+            str(subkey): (item.value, item.expiration_time)
+            for subkey, item in found.value.items()
+            if isinstance(item.value, dict) and "body" in item.value
+        }
+
     # manifest
 
     def publish_manifest(self, manifest: RunManifest, *, ttl_s: float) -> None:
-        now = get_dht_time()
-        ok = self.dht.store(manifest_key(manifest.run_id), manifest.to_dict(), expiration_time=now + ttl_s)
-        summary = {"model": manifest.model, "num_stages": manifest.num_stages}
-        self.dht.store(RUNS_KEY, summary, expiration_time=now + ttl_s, subkey=manifest.run_id)
+        """Sign and store the run's manifest (this peer is its owner) and its entry in the run list."""
+        expires = get_dht_time() + ttl_s
+        ok = self._put(manifest_key(manifest.run_id), manifest.to_dict(), expires)
+        self._put(RUNS_KEY, run_summary(manifest), expires)
         if not ok:
             logger.warning("manifest of run %s was not stored in the DHT", manifest.run_id)
 
     async def republish_manifest_async(self, manifest: RunManifest, *, ttl_s: float) -> None:
-        """Keep the run's manifest (and its entry in the run list) alive without a coordinator."""
-        now = get_dht_time()
-        summary = {"model": manifest.model, "num_stages": manifest.num_stages}
-        await self.dht.store(
-            manifest_key(manifest.run_id), manifest.to_dict(), expiration_time=now + ttl_s, return_future=True
-        )
-        await self.dht.store(
-            RUNS_KEY, summary, expiration_time=now + ttl_s, subkey=manifest.run_id, return_future=True
-        )
+        """Keep the run's manifest (and its entry in the run list) alive without a coordinator:
+        the owner signs it anew; another peer stores again the owner's signed copies it read,
+        which keep the expiry the owner signed."""
+        if self.owner_of(manifest.run_id) in (None, self.peer_id):
+            expires = get_dht_time() + ttl_s
+            await self._put(manifest_key(manifest.run_id), manifest.to_dict(), expires, wait=False)
+            await self._put(RUNS_KEY, run_summary(manifest), expires, wait=False)
+            return
+        owner = self.owner_of(manifest.run_id)
+        for key in (manifest_key(manifest.run_id), RUNS_KEY):
+            held = self._held.get((key, owner))
+            if held is not None and held[1] > get_dht_time():
+                envelope, expires = held
+                await self.dht.store(key, envelope, expiration_time=expires, subkey=owner, return_future=True)
+
+    def owner_of(self, run_id: str) -> str | None:
+        """The owner whose manifest of `run_id` this node accepted (None before it read one)."""
+        return self._owners.get(run_id)
 
     def known_runs(self) -> list[str]:
-        found = self.dht.get(RUNS_KEY, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        return sorted(str(k) for k in found.value)
+        runs = set()
+        for signer, (envelope, expires) in self._signed_by(self.dht.get(RUNS_KEY, latest=True)).items():
+            summary = open_record(envelope)
+            runs.add(str(summary["run_id"]))
+            self._run_entries[(signer, str(summary["run_id"]))] = (envelope, expires)
+        return sorted(runs)
 
     def get_manifest(self, run_id: str) -> RunManifest | None:
-        """The run's manifest, or None if the DHT has none. ConfigError if it is malformed."""
-        found = self.dht.get(manifest_key(check_run_id(run_id)), latest=True)
-        if found is None:
+        """The run's manifest from the owner this peer accepts (see `swarmtrain.trust.owner`),
+        or None if the DHT has none. RunNotFoundError or ConfigError if no owner can be chosen."""
+        key = manifest_key(check_run_id(run_id))
+        signed = self._signed_by(self.dht.get(key, latest=True))
+        if not signed:
             return None
-        return RunManifest.from_dict(found.value)
+        initial_ids = tuple(a.rsplit("/p2p/", 1)[-1] for a in self.config.initial_peers)
+        owner = choose_owner(
+            run_id,
+            sorted(signed),
+            run_owner=self.config.run_owner,
+            initial_peer_ids=initial_ids,
+            pins=self.pins,
+        )
+        envelope, expires = signed[owner]
+        self._held[(key, owner)] = (envelope, expires)
+        if (owner, run_id) in self._run_entries:
+            self._held[(RUNS_KEY, owner)] = self._run_entries[(owner, run_id)]
+        self._owners[run_id] = owner
+        return RunManifest.from_dict(open_record(envelope))
 
     def require_manifest(self, run_id: str | None) -> RunManifest:
         """The manifest of `run_id` (or of the only run, if None); RunNotFoundError otherwise."""
@@ -258,18 +329,10 @@ class SwarmNode:
     # membership
 
     async def announce_async(self, run_id: str, record: PeerRecord, *, ttl_s: float) -> bool:
-        return await self.dht.store(
-            peers_key(run_id),
-            record.to_dict(),
-            expiration_time=get_dht_time() + ttl_s,
-            subkey=record.peer_id,
-            return_future=True,
-        )
+        return await self._put(peers_key(run_id), record.to_dict(), get_dht_time() + ttl_s, wait=False)
 
     def announce(self, run_id: str, record: PeerRecord, *, ttl_s: float) -> bool:
-        return self.dht.store(
-            peers_key(run_id), record.to_dict(), expiration_time=get_dht_time() + ttl_s, subkey=record.peer_id
-        )
+        return self._put(peers_key(run_id), record.to_dict(), get_dht_time() + ttl_s)
 
     @staticmethod
     def _parse_peers(found) -> list[PeerRecord]:
@@ -278,8 +341,8 @@ class SwarmNode:
         records = []
         for subkey, item in found.value.items():
             try:
-                record = PeerRecord.from_dict(item.value)
-            except ConfigError as e:
+                record = PeerRecord.from_dict(open_record(item.value))
+            except (ConfigError, KeyError, TypeError, ValueError) as e:
                 logger.debug("ignoring malformed peer record %s: %s", subkey, e)
                 continue
             if record.peer_id == subkey:
@@ -289,20 +352,14 @@ class SwarmNode:
     def publish_trainer_point(self, run_id: str, point, *, ttl_s: float):
         """Store a trainer's latest point (`wire.metrics.TrainerPoint`) under `{run}.trainers`,
         keyed by this peer; returns a future (fire and forget, or wait on it before leaving)."""
-        return self.dht.store(
-            trainers_key(run_id),
-            point.to_dict(),
-            expiration_time=get_dht_time() + ttl_s,
-            subkey=self.peer_id,
-            return_future=True,
-        )
+        return self._put(trainers_key(run_id), point.to_dict(), get_dht_time() + ttl_s, wait=False)
 
     def trainer_points(self, run_id: str) -> list[dict]:
         """The latest point each live trainer published (raw dicts; the reader validates them)."""
         found = self.dht.get(trainers_key(run_id), latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
-        return [item.value for item in found.value.values() if isinstance(item.value, dict)]
+        return [open_record(item.value) for item in found.value.values() if isinstance(item.value, dict)]
 
     async def peers_async(self, run_id: str) -> list[PeerRecord]:
         return self._parse_peers(await self.dht.get(peers_key(run_id), latest=True, return_future=True))
