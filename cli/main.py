@@ -13,12 +13,16 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is import
 
 import typer  # noqa: E402
 
+from swarmtrain.cli.keys import keygen, whoami  # noqa: E402
 from swarmtrain.cli.options import (  # noqa: E402
     USAGE_EXIT_CODE,
     Host,
+    IdentityPath,
     InitialPeers,
     Port,
     RunId,
+    RunOwner,
+    SwarmKeyPath,
     Threads,
     Verbose,
     check_run_id_flag,
@@ -28,6 +32,7 @@ from swarmtrain.cli.options import (  # noqa: E402
     print_error,
     run_guarded,
     setup_logging,
+    trust_settings,
 )
 from swarmtrain.errors import SwarmError  # noqa: E402
 
@@ -38,6 +43,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.command()(keygen)
+app.command()(whoami)
 
 
 @app.command()
@@ -157,9 +164,20 @@ def coordinator(
             callback=check_writable_flag,
         ),
     ] = None,
+    trainer: Annotated[
+        list[str],
+        typer.Option(
+            "--trainer",
+            help="Peer id of a trainer this run authorizes (`swarmtrain whoami` on its machine prints it); "
+            "repeat for several. Stage peers take microbatches and commit phases from no one else.",
+            show_default="this machine's default trainer identity",
+        ),
+    ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
+    identity: IdentityPath = None,
+    swarm_key: SwarmKeyPath = None,
     verbose: Verbose = False,
 ) -> None:
-    """Start a swarm: a bootstrap DHT peer that publishes a run's manifest."""
+    """Start a swarm: a bootstrap DHT peer that publishes a run's manifest, signed as the run's owner."""
     setup_logging(verbose)
     from swarmtrain.peers.coordinator import Coordinator, CoordinatorConfig
     from swarmtrain.peers.dashboard.config import DashboardConfig
@@ -167,8 +185,18 @@ def coordinator(
     from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
 
     def main() -> None:
+        from swarmtrain.cli.options import check_run_owner_flag
+        from swarmtrain.trust.identity import Identity, default_identity_path
+
+        trust = trust_settings("coordinator", identity, swarm_key)
+        owner = Identity.load(trust["identity_path"])
+        trainers = [check_run_owner_flag(t) for t in trainer] or [
+            Identity.load(default_identity_path("trainer")).peer_id
+        ]
+        listen_port = port or _free_or_zero(host, owner.remembered_port())
         config = CoordinatorConfig(
-            node=NodeConfig(host=host, port=port),
+            node=NodeConfig(host=host, port=listen_port, **trust),
+            trainers=tuple(trainers),
             run_id=run_id,
             model=model,
             model_config=parse_model_config(model_config),
@@ -195,6 +223,7 @@ def coordinator(
             else DashboardConfig(host=dashboard_host, port=dashboard_port),
         )
         coord = Coordinator(config)
+        owner.remember_port(int(coord.address.split("/tcp/")[1].split("/")[0]))
         try:
             m = coord.manifest
             typer.echo(
@@ -204,8 +233,13 @@ def coordinator(
                 typer.echo(f"compression: {m.compression.describe()}")
             if m.loss is not None:
                 typer.echo(f"loss: {m.loss}")
+            typer.echo(f"owner:        {coord.node.peer_id} (identity {owner.path})")
+            typer.echo(f"trainers:     {', '.join(m.trainers)}")
+            if coord.node.swarm_key is not None:
+                typer.echo(f"private swarm, key {coord.node.swarm_key.fingerprint} ({swarm_key})")
+            key_flag = "" if swarm_key is None else f" --swarm-key {swarm_key}"
             typer.echo(f"peer address: {coord.address}")
-            typer.echo(f"join with:    swarmtrain join --initial-peers {coord.address}")
+            typer.echo(f"join with:    swarmtrain join --initial-peers {coord.address}{key_flag}")
             if coord.dashboard is not None:
                 typer.echo(f"dashboard:    {coord.dashboard.url}")
             if address_file is not None:
@@ -217,6 +251,20 @@ def coordinator(
             coord.close()
 
     run_guarded(main)
+
+
+def _free_or_zero(host: str, port: int | None) -> int:
+    """`port` if it is free on `host` (a coordinator's address from last time), else 0 (any)."""
+    import socket
+
+    if port is None:
+        return 0
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return 0
+    return port
 
 
 def _wait_for_signal(coord) -> None:
@@ -303,6 +351,9 @@ def join(
             show_default="no fault",
         ),
     ] = None,
+    identity: IdentityPath = None,
+    swarm_key: SwarmKeyPath = None,
+    run_owner: RunOwner = None,
     verbose: Verbose = False,
 ) -> None:
     """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
@@ -315,7 +366,11 @@ def join(
     def main() -> None:
         config = StageConfig(
             node=NodeConfig(
-                initial_peers=tuple(initial_peers), host=host, port=port, announce_host=announce_host
+                initial_peers=tuple(initial_peers),
+                host=host,
+                port=port,
+                announce_host=announce_host,
+                **trust_settings("stage", identity, swarm_key, run_owner),
             ),
             run_id=run_id,
             stage=stage,
@@ -369,6 +424,9 @@ def train(
     jsonl: Annotated[
         bool, typer.Option("--jsonl", help="Print one JSON object per step instead of text.")
     ] = False,
+    identity: IdentityPath = None,
+    swarm_key: SwarmKeyPath = None,
+    run_owner: RunOwner = None,
     verbose: Verbose = False,
 ) -> None:
     """Train a run: feed microbatches of byte-level text into the swarm and step it."""
@@ -382,9 +440,10 @@ def train(
             import torch
 
             torch.set_num_threads(threads)
-        config = TrainerConfig(
-            node=NodeConfig(initial_peers=tuple(initial_peers)), run_id=run_id, microbatch_timeout_s=timeout
+        node = NodeConfig(
+            initial_peers=tuple(initial_peers), **trust_settings("trainer", identity, swarm_key, run_owner)
         )
+        config = TrainerConfig(node=node, run_id=run_id, microbatch_timeout_s=timeout)
         with Trainer(config) as trainer:
             batches = text_batches_for(trainer.manifest, data)
             for result in trainer.train(batches, steps=steps):
@@ -473,6 +532,8 @@ def status(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the swarm as JSON on stdout instead of tables.")
     ] = False,
+    swarm_key: SwarmKeyPath = None,
+    run_owner: RunOwner = None,
     verbose: Verbose = False,
 ) -> None:
     """Show a run's stages, peers and training progress, read from the DHT (works without a
@@ -482,9 +543,13 @@ def status(
     from swarmtrain.swarm import NodeConfig
 
     def main() -> None:
-        config = StatusConfig(
-            node=NodeConfig(initial_peers=tuple(initial_peers), client_mode=True), run_id=run_id
+        node = NodeConfig(
+            initial_peers=tuple(initial_peers),
+            client_mode=True,
+            swarm_key_path=None if swarm_key is None else str(swarm_key),
+            run_owner=run_owner,
         )
+        config = StatusConfig(node=node, run_id=run_id)
         report = read_swarm_status(config)
         if as_json:
             typer.echo(json.dumps(report, indent=2, allow_nan=False))

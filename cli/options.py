@@ -146,3 +146,72 @@ def run_guarded(fn, *args, **kwargs):
     except KeyboardInterrupt:
         typer.secho("interrupted", err=True)
         raise typer.Exit(130) from None
+
+
+# trust: who a peer is, which swarm it belongs to, whose run it accepts
+
+IdentityPath = Annotated[
+    Path | None,
+    typer.Option(
+        "--identity",
+        help="Key file of this peer's identity, made on first use: the peer id (and a coordinator's "
+        "address) stay the same across restarts.",
+        show_default="<data dir>/identity/<role>-N.key, the first one no running peer holds",
+    ),
+]
+SwarmKeyPath = Annotated[
+    Path | None,
+    typer.Option(
+        "--swarm-key",
+        help="Private swarm: the key file every peer of the swarm shares (make one with `swarmtrain keygen "
+        "PATH`). Peers without it can neither read nor write the swarm's records nor open a stream to its peers.",
+        show_default="an open swarm",
+    ),
+]
+
+
+def check_run_owner_flag(owner: str | None) -> str | None:
+    if owner is None:
+        return None
+    from swarmtrain.wire.records import PEER_ID_PATTERN
+
+    if not PEER_ID_PATTERN.match(owner):
+        raise ConfigError(
+            f"--run-owner {owner!r} is not a peer id (base58, like Qm... or 12D3KooW...): "
+            "give the owner id the run's coordinator printed"
+        )
+    return owner
+
+
+RunOwner = Annotated[
+    str | None,
+    typer.Option(
+        "--run-owner",
+        help="Peer id of the run's owner, as its coordinator prints it: only a manifest it signed is accepted.",
+        show_default="the owner whose address --initial-peers gives, else the one this machine pinned "
+        "for the run, else the only one (then pinned)",
+        callback=check_run_owner_flag,
+    ),
+]
+
+_held_identities: list = []
+"""Default identities this process holds (their lock files stay locked until it exits)."""
+
+
+def trust_settings(
+    role: str, identity: Path | None, swarm_key: Path | None, run_owner: str | None = None
+) -> dict:
+    """NodeConfig fields for the trust flags: `--identity` (or the role's default key, held by
+    this process), `--swarm-key`, `--run-owner`. ConfigError names a bad file."""
+    from swarmtrain.trust.identity import Identity
+    from swarmtrain.trust.swarmkey import load_swarm_key
+
+    if swarm_key is not None:
+        load_swarm_key(swarm_key)  # a bad key file fails here, before the network is touched
+    held = Identity.default(role) if identity is None else Identity.load(identity)
+    _held_identities.append(held)
+    return {
+        "identity_path": str(held.path),
+        "swarm_key_path": None if swarm_key is None else str(swarm_key),
+        "run_owner": run_owner,
+    }

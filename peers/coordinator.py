@@ -16,6 +16,7 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
 from swarmtrain.peers.dashboard.config import DashboardConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
+from swarmtrain.wire.keys import MANIFEST_TTL_S
 from swarmtrain.wire.records import (
     BatchConfig,
     CompressionConfig,
@@ -57,6 +58,9 @@ class CoordinatorConfig:
     """Codecs of activations, gradients and replica averaging on the wire (default: none)."""
     loss: str | None = None
     """The loss the last stage computes, by registered name (e.g. 'weighted_cross_entropy'); None: the model's own."""
+    trainers: tuple[str, ...] = ()
+    """Peer ids of the trainers this run authorizes (the manifest lists them; stage peers take
+    microbatches and commit phases from no one else)."""
     republish_s: float = 10.0
     """Seconds between republications of the manifest."""
     dashboard: DashboardConfig | None = None
@@ -88,6 +92,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         schedule=config.schedule,
         compression=config.compression,
         loss=config.loss,
+        trainers=tuple(config.trainers),
     )
 
 
@@ -122,8 +127,7 @@ class Coordinator:
         return self.addresses[0]
 
     def _publish(self) -> None:
-        ttl = 6 * self.config.republish_s
-        self.node.publish_manifest(self.manifest, ttl_s=ttl)
+        self.node.publish_manifest(self.manifest, ttl_s=MANIFEST_TTL_S)
         record = PeerRecord(peer_id=self.node.peer_id, role="coordinator", version=swarmtrain.__version__)
         self.node.announce(self.manifest.run_id, record, ttl_s=3 * self.config.republish_s)
 

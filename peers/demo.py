@@ -150,12 +150,11 @@ def _wire_bytes(swarm: LocalSwarm, console: Console, quiet: bool) -> dict:
     """What the stage peers sent, from their latest records: tensor bytes on the wire and before
     compression (link probes at start-up included). A swarm that cannot be read costs only this."""
     from swarmtrain.peers.status import StatusConfig, format_bytes, read_swarm_status
-    from swarmtrain.swarm import NodeConfig
 
     codec = swarm.config.compression.activations
     try:
         status = read_swarm_status(
-            StatusConfig(node=NodeConfig(initial_peers=(swarm.address,)), run_id="demo")
+            StatusConfig(node=swarm.node_config(), run_id="demo")
         )
     except SwarmError as e:
         console.print(f"could not read the stage peers' byte counters: {e}")
@@ -170,6 +169,7 @@ def _wire_bytes(swarm: LocalSwarm, console: Console, quiet: bool) -> dict:
 
 def _train(swarm: LocalSwarm, config: DemoConfig, console: Console, model_config: dict, quiet: bool) -> dict:
     args = ["train", "--initial-peers", swarm.address, "--run-id", "demo", "--steps", str(config.steps)]
+    args += swarm.trust_args("trainer-0")
     with open(swarm.log_dir / "trainer.log", "wb") as log:
         proc = subprocess.Popen(
             cli_command(*args, "--jsonl", "--threads", "1"),

@@ -57,6 +57,10 @@ class LocalSwarmConfig:
     """How long a peer may take to start before the launch fails."""
     env: dict = field(default_factory=dict)
     """Extra environment for every process."""
+    swarm_key: str | None = None
+    """A private swarm's key file every process gets (--swarm-key); None: an open swarm."""
+    num_trainers: int = 2
+    """Trainer identities the run authorizes (`trainer_identity(n)` gives the n-th key file)."""
 
 
 def cli_command(*args: str) -> list[str]:
@@ -132,8 +136,26 @@ class LocalSwarm:
             f"{name} did not start within {self.config.startup_timeout_s:.0f} s:\n{self.log_tail(name)}"
         )
 
+    def identity(self, name: str) -> Path:
+        """The key file of process `name` (made when first used), in the log folder: a local
+        swarm's peers keep their ids out of the user's own data dir."""
+        return self.log_dir / f"{name}.key"
+
+    def trainer_identity(self, n: int = 0) -> Path:
+        """The key file of the run's `n`-th authorized trainer (0 <= n < num_trainers)."""
+        if not 0 <= n < self.config.num_trainers:
+            raise SwarmError(f"this swarm authorizes trainers 0..{self.config.num_trainers - 1}, not {n}")
+        return self.identity(f"trainer-{n}")
+
+    def trust_args(self, name: str) -> list[str]:
+        """`--identity` and `--swarm-key` flags of process `name`."""
+        return ["--identity", str(self.identity(name)), *_optional("--swarm-key", self.config.swarm_key)]
+
     def start(self) -> None:
+        from swarmtrain.trust.identity import Identity
+
         cfg = self.config
+        trainers = [Identity.load(self.trainer_identity(n)).peer_id for n in range(cfg.num_trainers)]
         address_file = self.log_dir / "coordinator.address"
         self.spawn(
             "coordinator",
@@ -161,6 +183,8 @@ class LocalSwarm:
                 "--port", str(cfg.coordinator_port),
                 "--address-file", str(address_file),
                 *_optional("--dashboard-port", cfg.dashboard_port),
+                *[arg for t in trainers for arg in ("--trainer", t)],
+                *self.trust_args("coordinator"),
             ],
         )  # fmt: skip
         self.address = self._wait_file("coordinator", address_file)
@@ -198,6 +222,7 @@ class LocalSwarm:
             "--host", self.config.host,
             "--ready-file", str(self.log_dir / f"{name}.ready"),
             *_optional("--stage", stage),
+            *self.trust_args(name),
             *extra_args,
         ]  # fmt: skip
         self.spawn(name, args)
@@ -235,10 +260,21 @@ class LocalSwarm:
                 os.killpg(proc.pid, signal.SIGKILL)  # the group may outlive its leader
             proc.wait()
 
-    def trainer(self, **overrides):
-        """A Trainer connected to this swarm (the caller closes it)."""
-        from swarmtrain.peers.trainer import Trainer, TrainerConfig
+    def node_config(self, *, identity: Path | None = None, **overrides):
+        """A NodeConfig that joins this swarm (its key, if private), as `identity` (None: a fresh one)."""
         from swarmtrain.swarm import NodeConfig
 
-        node = NodeConfig(initial_peers=(self.address,), host=self.config.host)
+        settings = dict(
+            initial_peers=(self.address,),
+            host=self.config.host,
+            identity_path=None if identity is None else str(identity),
+            swarm_key_path=self.config.swarm_key,
+        )
+        return NodeConfig(**(settings | overrides))
+
+    def trainer(self, n: int = 0, **overrides):
+        """A Trainer connected to this swarm as its `n`-th authorized trainer (the caller closes it)."""
+        from swarmtrain.peers.trainer import Trainer, TrainerConfig
+
+        node = self.node_config(identity=self.trainer_identity(n))
         return Trainer(TrainerConfig(node=node, run_id=self.config.run_id, **overrides))

@@ -45,6 +45,7 @@ from swarmtrain.train.service import StageService
 from swarmtrain.train.serving import ServeCounters
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
+from swarmtrain.wire.keys import MANIFEST_TTL_S
 from swarmtrain.wire.records import MAX_BANNED_LISTED, PeerRecord, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -419,7 +420,7 @@ class StagePeer:
                 # run's manifest alive so new peers can still join.
                 last_manifest = time.monotonic()
                 try:
-                    await self.node.republish_manifest_async(self.manifest, ttl_s=6 * MANIFEST_REPUBLISH_S)
+                    await self.node.republish_manifest_async(self.manifest, ttl_s=MANIFEST_TTL_S)
                 except Exception as e:
                     logger.warning("republishing the manifest failed: %r", e)
             if self._rebalancer is not None and time.monotonic() - last_check >= self.config.rebalance_s:

@@ -4,7 +4,11 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 # Before anything imports triton: without a GPU the kernel tests run under Triton's interpreter.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import tempfile  # noqa: E402
 import time  # noqa: E402
+
+# Keys, pins and default identities go to a scratch data dir, never the user's own.
+os.environ["SWARMTRAIN_HOME"] = tempfile.mkdtemp(prefix="swarmtrain-home-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -12,6 +16,13 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 TINY_GPT = {"n_layer": 4, "d_model": 32, "n_head": 2, "seq_len": 16, "vocab_size": 256}
+
+
+@pytest.fixture(autouse=True)
+def own_data_dir(tmp_path, monkeypatch):
+    """Each test (and every process it starts) gets its own data dir: default identities and
+    the owners pinned for run ids do not leak from one test into the next."""
+    monkeypatch.setenv("SWARMTRAIN_HOME", str(tmp_path / "swarmtrain-home"))
 
 
 @pytest.fixture

@@ -117,8 +117,7 @@ class Identity:
     def default(cls, role: str) -> Identity:
         """This machine's identity for `role`: the first `<role>-<n>.key` under the data dir
         that no running process holds (its lock is held until this process exits)."""
-        folder = data_dir() / "identity"
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder = default_identity_path(role).parent
         for n in range(MAX_SLOTS):
             lock = open(folder / f"{role}-{n}.lock", "a")  # noqa: SIM115 (held for the process's life)
             try:
@@ -143,6 +142,13 @@ class Identity:
     def remember_port(self, port: int) -> None:
         with contextlib.suppress(OSError):  # a read-only key folder only costs the same address next time
             (self.path.parent / (self.path.name + ".port")).write_text(f"{port}\n")
+
+
+def default_identity_path(role: str, slot: int = 0) -> Path:
+    """Where this machine's `slot`-th default identity of `role` lives (it may not exist yet)."""
+    folder = data_dir() / "identity"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder / f"{role}-{slot}.key"
 
 
 def identity_of(path: str | os.PathLike | None, role: str) -> Identity:

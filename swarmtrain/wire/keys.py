@@ -21,6 +21,10 @@ from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest, check_run_id
 
 RUNS_KEY = "swarmtrain.runs"
+MANIFEST_TTL_S = 24 * 3600.0
+"""How long a manifest the owner signed stays valid. Serving peers store the owner's signed
+copy again to keep it in the DHT after the coordinator leaves; they cannot extend it, and
+the owner's next signature (a later expiry) replaces it."""
 
 
 def manifest_key(run_id: str) -> str:
