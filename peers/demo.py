@@ -153,9 +153,7 @@ def _wire_bytes(swarm: LocalSwarm, console: Console, quiet: bool) -> dict:
 
     codec = swarm.config.compression.activations
     try:
-        status = read_swarm_status(
-            StatusConfig(node=swarm.node_config(), run_id="demo")
-        )
+        status = read_swarm_status(StatusConfig(node=swarm.node_config(), run_id="demo"))
     except SwarmError as e:
         console.print(f"could not read the stage peers' byte counters: {e}")
         return {"compression": codec}

@@ -311,7 +311,9 @@ class RunManifest:
             or len(trainers) > MAX_TRAINERS
             or not all(isinstance(t, str) and PEER_ID_PATTERN.match(t) for t in trainers)
         ):
-            raise ConfigError(f"manifest: trainers must list at most {MAX_TRAINERS} peer ids, got {trainers!r}")
+            raise ConfigError(
+                f"manifest: trainers must list at most {MAX_TRAINERS} peer ids, got {trainers!r}"
+            )
         object.__setattr__(self, "trainers", tuple(trainers))
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("manifest: model must be a builder name or an import path")
