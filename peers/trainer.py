@@ -77,6 +77,17 @@ class TrainerConfig:
             raise ConfigError(f"max_dropped_fraction must be in [0, 1), got {self.max_dropped_fraction}")
 
 
+def check_authorized(manifest: RunManifest, peer_id: str) -> None:
+    """Raise ConfigError unless the run's owner authorizes the trainer `peer_id` (stage peers
+    would refuse its every microbatch)."""
+    if manifest.trainers and peer_id not in manifest.trainers:
+        raise ConfigError(
+            f"this trainer ({peer_id}) is not one the owner of run {manifest.run_id!r} authorizes "
+            f"({', '.join(manifest.trainers)}): start the run's coordinator with --trainer {peer_id}, "
+            "or train with --identity set to an authorized trainer's key file"
+        )
+
+
 class Trainer:
     """Train a run from Python: `for result in trainer.train(batches, steps=100): ...`."""
 
@@ -88,6 +99,7 @@ class Trainer:
         self.node = SwarmNode(config.node)
         try:
             self.manifest: RunManifest = self.node.require_manifest(config.run_id)
+            check_authorized(self.manifest, self.node.peer_id)
             self.transport = self._run(self._make_transport())
         except BaseException:
             self.close()

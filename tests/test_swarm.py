@@ -80,7 +80,7 @@ def test_bad_microbatch_fails_the_step_with_a_clear_message(local_swarm):
     ):
         next(trainer.train(wrong_length, steps=1))
     # The stage peer kept serving; it banned the peer that sent the bad frames, not others.
-    with swarm.trainer() as trainer:
+    with swarm.trainer(1) as trainer:
         result = next(trainer.train(batches(), steps=1))
         assert result.step == 0 and result.loss > 0
 
