@@ -31,7 +31,11 @@ def whoami(
     ] = "trainer",
     identity: Annotated[
         Path | None,
-        typer.Option("--identity", help="Show this key file's peer id instead (made if missing)."),
+        typer.Option(
+            "--identity",
+            help="Show this key file's peer id instead (made if missing).",
+            show_default="this machine's default key of --role",
+        ),
     ] = None,
 ) -> None:
     """Print the peer id this machine's peer of ROLE runs as (or that --identity gives): the id a
