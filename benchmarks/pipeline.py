@@ -12,6 +12,10 @@ stage process, the swarm's trainer in this process. Scenarios:
 - kill_replica: readiness, the last stage on two replicas; one is SIGKILLed halfway through the
   timed steps (at least 6 here): a per-step timeline, the time until a step is back to 90% of
   the survivors' tokens/s, the microbatch accounting.
+- trust (not in the default list): readiness, 2 stages, the last on two replicas, as an open
+  swarm that authorizes any trainer against a private swarm (--swarm-key: a challenge on every
+  stream, sealed records) whose owner authorizes its trainers, alternated TRUST_PAIRS times;
+  plus what signing one DHT record and checking one costs, against how many a peer writes.
 Prints one JSON object (progress and peer warnings go to stderr). Every swarm peer runs with
 --rebalance-every 0 so layouts stay put. With the defaults it took 6-8 minutes on 2 cores shared
 with other work (load average 6-8), half of it starting the 5 swarms.
@@ -40,7 +44,9 @@ RECOVERED = 0.9
 """A step counts as recovered at this fraction of the reference tokens/s."""
 KILL_MIN_STEPS = 6
 """kill_replica times at least this many steps, so that two or more steps follow the kill's step."""
-SCENARIOS = ("homogeneous", "slow_replica", "kill_replica")
+SCENARIOS = ("homogeneous", "slow_replica", "kill_replica", "trust")
+TRUST_PAIRS = 2
+"""The trust scenario alternates open and trusted swarms this many times each (drift cancels)."""
 MEASURES = {
     "tokens_per_s": "median over the timed steps of tokens / step wall time",
     "utilization": "swarm: d(PeerRecord.busy_s)/d(wall); torch: forward+loss+backward seconds "
@@ -99,6 +105,81 @@ def slow_replica(cfg: BenchConfig) -> dict:
         "readiness": readiness,
         "readiness_over_static": ratio,
         "meets_aim": ratio >= 1.5,
+    }
+
+
+def trust(cfg: BenchConfig) -> dict:
+    """The cost of trust: tokens/s of a private, authorized swarm over an open one, same layout."""
+    import tempfile
+    from pathlib import Path
+
+    from swarmtrain.trust import generate_swarm_key
+
+    n = cfg.num_blocks
+    layout = Layout(stage_bounds=(0, n // 2, n), slowdowns=((1.0,), (1.0, 1.0)))
+    key = Path(tempfile.mkdtemp(prefix="swarmtrain-bench-")) / "swarm.key"
+    generate_swarm_key(key)
+    runs: dict[str, list[dict]] = {"open": [], "trusted": []}
+    for _ in range(TRUST_PAIRS):
+        runs["open"].append(run_swarm(cfg, "readiness", layout, trust=False))
+        runs["trusted"].append(run_swarm(cfg, "readiness", layout, swarm_key=str(key), trust=True))
+    medians = {name: statistics.median(r["tokens_per_s_median"] for r in rs) for name, rs in runs.items()}
+    ratio = medians["trusted"] / medians["open"]
+    return {
+        "aim": "trusted tokens/s >= 0.97x open (the cost of trust <= 3%)",
+        "layout": "stage 0: half the blocks; stage 1: the rest and the head, on two replicas",
+        "open": runs["open"],
+        "trusted": runs["trusted"],
+        "tokens_per_s_open": medians["open"],
+        "tokens_per_s_trusted": medians["trusted"],
+        "trusted_over_open": ratio,
+        "meets_aim": ratio >= 0.97,
+        "record_signatures": signing_cost(),
+    }
+
+
+def signing_cost(rounds: int = 200) -> dict:
+    """Microseconds to sign one peer record and to check one, and the share of a core that costs
+    a stage peer at its heartbeat rate (it signs one record a heartbeat and checks those it reads)."""
+    import dataclasses as dc
+    import tempfile
+    from pathlib import Path
+
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+
+    from swarmtrain.peers.stage import StageConfig
+    from swarmtrain.trust.identity import Identity
+    from swarmtrain.trust.records import check_envelope, sign_record
+    from swarmtrain.wire.keys import peers_key
+    from swarmtrain.wire.records import PeerRecord
+
+    me = Identity.load(Path(tempfile.mkdtemp()) / "bench.key")
+    body = PeerRecord(peer_id=me.peer_id, role="stage", stage=0).to_dict()
+    key, expires = peers_key("bench"), get_dht_time() + 60
+    t = time.perf_counter()
+    for _ in range(rounds):
+        envelope = sign_record(me, key, body, expires)
+    sign_us = (time.perf_counter() - t) / rounds * 1e6
+    record = DHTRecord(
+        DHTID.generate(source=key).to_bytes(),
+        MSGPackSerializer.dumps(me.peer_id),
+        MSGPackSerializer.dumps(envelope),
+        expires,
+    )
+    t = time.perf_counter()
+    for _ in range(rounds):
+        check_envelope(dc.replace(record, expiration_time=expires))
+    check_us = (time.perf_counter() - t) / rounds * 1e6
+    heartbeat_s = StageConfig.__dataclass_fields__["heartbeat_s"].default
+    return {
+        "sign_us": sign_us,
+        "check_us": check_us,
+        "heartbeat_s": heartbeat_s,
+        "core_share_per_peer_of_4": (sign_us + 4 * check_us) / 1e6 / heartbeat_s,
+        "note": "a peer signs its record once a heartbeat and checks the records of the peers it reads "
+        "(4 here) as often; repeated lookups of the same record hit the validator's cache",
     }
 
 
@@ -169,7 +250,9 @@ def parse_args() -> tuple[BenchConfig, list[str]]:
         "--steps", type=int, default=4, help="timed steps per run, after 2 warm-up steps (default 4)"
     )
     parser.add_argument(
-        "--scenarios", default=",".join(SCENARIOS), help="comma list of " + ", ".join(SCENARIOS)
+        "--scenarios",
+        default=",".join(SCENARIOS[:3]),
+        help="comma list of " + ", ".join(SCENARIOS) + " (default: all but trust)",
     )
     parser.add_argument(
         "--stages", type=int, default=2, help="stages of homogeneous and kill_replica (default 2)"
@@ -213,6 +296,8 @@ def main() -> None:
         out["homogeneous"] = homogeneous(cfg)
     if "slow_replica" in scenarios:
         out["slow_replica"] = slow_replica(cfg)
+    if "trust" in scenarios:
+        out["trust"] = trust(cfg)
     if "kill_replica" in scenarios:
         survivors = out["homogeneous"]["readiness"] if "homogeneous" in out else None
         out["kill_replica"] = kill_replica(cfg, survivors)

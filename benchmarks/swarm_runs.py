@@ -178,8 +178,12 @@ def counters(result) -> dict:
     }
 
 
-def _swarm_config(cfg: BenchConfig, schedule: str, layout: Layout) -> LocalSwarmConfig:
+def _swarm_config(
+    cfg: BenchConfig, schedule: str, layout: Layout, swarm_key: str | None, trust: bool
+) -> LocalSwarmConfig:
     return LocalSwarmConfig(
+        swarm_key=swarm_key,
+        num_trainers=2 if trust else 0,
         run_id=f"bench-{schedule}",
         model_config=cfg.model_config,
         stage_bounds=layout.stage_bounds,
@@ -217,18 +221,26 @@ def _kill_later(swarm: LocalSwarm, name: str, delay_s: float, killed: dict[str, 
 
 
 def run_swarm(
-    cfg: BenchConfig, schedule: str, layout: Layout, *, kill: tuple[int, int] | None = None
+    cfg: BenchConfig,
+    schedule: str,
+    layout: Layout,
+    *,
+    kill: tuple[int, int] | None = None,
+    swarm_key: str | None = None,
+    trust: bool = True,
 ) -> dict:
     """Train warm-up + timed steps on a swarm in `layout`; figures of the timed steps.
 
     With `kill` = (stage, replica index), that peer is SIGKILLed during timed step
     cfg.steps // 2, half the median step time so far after it starts, and the figures add a
-    per-step `timeline` with times relative to the kill. Raises StepFailedError if a step fails.
+    per-step `timeline` with times relative to the kill. `swarm_key`: a private swarm's key
+    file; `trust` False authorizes any trainer (the baseline of the trust scenario).
+    Raises StepFailedError if a step fails.
     """
     started = time.monotonic()
     killed: dict[str, float] = {}
     timer = None
-    with LocalSwarm(_swarm_config(cfg, schedule, layout)) as swarm:
+    with LocalSwarm(_swarm_config(cfg, schedule, layout, swarm_key, trust)) as swarm:
         by_stage = _spawn_peers(swarm, layout)
         peers = [p for stage in by_stage for p in stage]
         victim = None if kill is None else by_stage[kill[0]][kill[1]].name

@@ -173,6 +173,15 @@ def coordinator(
             show_default="this machine's default trainer identity",
         ),
     ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
+    any_trainer: Annotated[
+        bool,
+        typer.Option(
+            "--any-trainer",
+            hidden=True,
+            help="Benchmarks only: authorize every trainer, as before runs had owners (the baseline "
+            "the cost of authorization is measured against).",
+        ),
+    ] = False,
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     verbose: Verbose = False,
@@ -193,6 +202,8 @@ def coordinator(
         trainers = [check_run_owner_flag(t) for t in trainer] or [
             Identity.load(default_identity_path("trainer")).peer_id
         ]
+        if any_trainer:
+            trainers = []
         listen_port = port or _free_or_zero(host, owner.remembered_port())
         config = CoordinatorConfig(
             node=NodeConfig(host=host, port=listen_port, **trust),
@@ -234,7 +245,7 @@ def coordinator(
             if m.loss is not None:
                 typer.echo(f"loss: {m.loss}")
             typer.echo(f"owner:        {coord.node.peer_id} (identity {owner.path})")
-            typer.echo(f"trainers:     {', '.join(m.trainers)}")
+            typer.echo(f"trainers:     {', '.join(m.trainers) or 'anyone (--any-trainer)'}")
             if coord.node.swarm_key is not None:
                 typer.echo(f"private swarm, key {coord.node.swarm_key.fingerprint} ({swarm_key})")
             key_flag = "" if swarm_key is None else f" --swarm-key {swarm_key}"

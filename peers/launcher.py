@@ -60,7 +60,8 @@ class LocalSwarmConfig:
     swarm_key: str | None = None
     """A private swarm's key file every process gets (--swarm-key); None: an open swarm."""
     num_trainers: int = 2
-    """Trainer identities the run authorizes (`trainer_identity(n)` gives the n-th key file)."""
+    """Trainer identities the run authorizes (`trainer_identity(n)` gives the n-th key file);
+    0 authorizes any trainer (benchmarks' baseline for the cost of authorization)."""
 
 
 def cli_command(*args: str) -> list[str]:
@@ -183,7 +184,7 @@ class LocalSwarm:
                 "--port", str(cfg.coordinator_port),
                 "--address-file", str(address_file),
                 *_optional("--dashboard-port", cfg.dashboard_port),
-                *[arg for t in trainers for arg in ("--trainer", t)],
+                *([arg for t in trainers for arg in ("--trainer", t)] or ["--any-trainer"]),
                 *self.trust_args("coordinator"),
             ],
         )  # fmt: skip
@@ -276,5 +277,5 @@ class LocalSwarm:
         """A Trainer connected to this swarm as its `n`-th authorized trainer (the caller closes it)."""
         from swarmtrain.peers.trainer import Trainer, TrainerConfig
 
-        node = self.node_config(identity=self.trainer_identity(n))
+        node = self.node_config(identity=self.trainer_identity(n) if self.config.num_trainers else None)
         return Trainer(TrainerConfig(node=node, run_id=self.config.run_id, **overrides))
