@@ -1,17 +1,19 @@
 """Round trip of activation frames over our transport vs a raw hivemind binary-stream echo.
 
-    python benchmarks/transport.py [--sizes 64K,256K,1M,4M,16M] [--repeats N] [--json-out PATH]
+    python benchmarks/transport.py [--sizes 64K,256K,1M,4M,16M] [--repeats N] [--swarm-key] [--json-out PATH]
 
 Two processes on loopback, each with its own SwarmNode (DHT + libp2p daemon) and event loop:
 this one is the client; it spawns itself with `--serve` as the server, which serves
 
 - `ECHO_OURS` on `TensorTransport`: the request frame's tensor comes back in a 'result' frame
   (the full path: framing, header validation, size limits, finiteness check, both ways);
-- `ECHO_RAW`: hivemind's length-prefixed `receive_raw_data` / `send_raw_data` echo.
+- `ECHO_RAW`: hivemind's length-prefixed `receive_raw_data` / `send_raw_data` echo;
+- with `--swarm-key`, also `ECHO_KEYED`: `ECHO_OURS` in a private swarm (a fresh key both
+  processes load), so every stream opens with the key's handshake (one more round trip).
 
-Both open one stream per request, as our transport does. For each size the client warms up,
-then alternates the two (swapping which goes first every repetition) so drift on a busy
-machine hits both alike. One JSON document goes to stdout; logs go to stderr. The aim, ours
+All open one stream per request, as our transport does. For each size the client warms up,
+then alternates them (rotating which goes first every repetition) so drift on a busy
+machine hits all alike. One JSON document goes to stdout; logs go to stderr. The aim, ours
 within 20% of raw, is reported per size and never fails the run.
 """
 
@@ -28,6 +30,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 
@@ -37,10 +40,12 @@ from hivemind.p2p import P2P, PeerID
 
 from swarmtrain.swarm.node import NodeConfig, SwarmNode
 from swarmtrain.transport.streams import LINGER_S, TensorTransport, TransportConfig
+from swarmtrain.trust.swarmkey import SwarmKey, generate_swarm_key, load_swarm_key
 from swarmtrain.wire.frames import Frame
 
 ECHO_OURS = "/swarmtrain-bench/frames/1"
 ECHO_RAW = "/swarmtrain-bench/raw/1"
+ECHO_KEYED = "/swarmtrain-bench/keyed/1"
 RUN_ID = "bench"
 DEFAULT_SIZES = "64K,256K,1M,4M,16M"
 CHANNELS = 1024  # C of the (B, T, C) activation; every size must hold whole rows of it
@@ -88,14 +93,15 @@ def summarize(rtts_s: list[float], nbytes: int) -> dict:
         "rtt_ms_p90": round(p90 * 1e3, 3),
         "rtt_ms_min": round(min(rtts_s) * 1e3, 3),
         "mib_per_s": round(2 * nbytes / median / 2**20, 1),
+        "calls_per_s": round(1 / median, 1),
     }
 
 
 # server
 
 
-async def serve() -> None:
-    """Serve both echoes until stdin closes or SIGTERM arrives; prints {peer_id, addrs} first."""
+async def serve(key: SwarmKey | None) -> None:
+    """Serve the echoes until stdin closes or SIGTERM arrives; prints {peer_id, addrs} first."""
     node = SwarmNode(NodeConfig())
     try:
         p2p = await node.p2p()
@@ -116,6 +122,8 @@ async def serve() -> None:
 
         await transport.serve(ECHO_OURS, echo_ours)
         await p2p.add_binary_stream_handler(ECHO_RAW, echo_raw)
+        if key is not None:
+            await TensorTransport(p2p, TransportConfig(), swarm_key=key).serve(ECHO_KEYED, echo_ours)
 
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
@@ -135,9 +143,10 @@ async def serve() -> None:
         node.shutdown()
 
 
-def start_server() -> tuple[subprocess.Popen, dict]:
+def start_server(key_path: str | None) -> tuple[subprocess.Popen, dict]:
+    key_args = ["--key-file", key_path] if key_path else []
     proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--serve"],
+        [sys.executable, os.path.abspath(__file__), "--serve", *key_args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -173,15 +182,24 @@ def stop_server(proc: subprocess.Popen) -> None:
 # client
 
 
-async def bench(node: SwarmNode, server_id: str, sizes: list[int], repeats: int | None) -> list[dict]:
+async def bench(
+    node: SwarmNode, server_id: str, sizes: list[int], repeats: int | None, key: SwarmKey | None
+) -> list[dict]:
     p2p = await node.p2p()
     transport = TensorTransport(p2p, TransportConfig())
+    keyed_transport = TensorTransport(p2p, TransportConfig(), swarm_key=key)
     server = PeerID.from_base58(server_id)
 
-    async def ours(x: torch.Tensor) -> None:
+    async def call(x: torch.Tensor, via: TensorTransport, name: str) -> None:
         frame = Frame(kind="forward", run_id=RUN_ID, mb_id="bench:0:0", stage=0, tensors={"x": x})
-        reply = await transport.call(server_id, ECHO_OURS, frame, timeout_s=CALL_TIMEOUT_S)
+        reply = await via.call(server_id, name, frame, timeout_s=CALL_TIMEOUT_S)
         assert reply.tensors["x"].shape == x.shape, "echo returned another shape"
+
+    async def ours(x: torch.Tensor) -> None:
+        await call(x, transport, ECHO_OURS)
+
+    async def keyed(x: torch.Tensor) -> None:
+        await call(x, keyed_transport, ECHO_KEYED)
 
     async def raw(x: torch.Tensor) -> None:
         async def round_trip() -> bytes:
@@ -200,33 +218,36 @@ async def bench(node: SwarmNode, server_id: str, sizes: list[int], repeats: int 
         await fn(x)
         return time.perf_counter() - t0
 
+    fns = {"ours": ours, "raw": raw} | ({"keyed": keyed} if key is not None else {})
     results = []
     for nbytes in sizes:
         x = activation(nbytes)
         n = repeats or default_repeats(nbytes)
         for _ in range(WARMUP):
-            await ours(x)
-            await raw(x)
-        rtts: dict[str, list[float]] = {"ours": [], "raw": []}
+            for fn in fns.values():
+                await fn(x)
+        rtts: dict[str, list[float]] = {which: [] for which in fns}
+        names = list(fns)
         for i in range(n):
-            order = ("ours", "raw") if i % 2 == 0 else ("raw", "ours")
-            for which in order:
-                rtts[which].append(await timed(ours if which == "ours" else raw, x))
-        ours_s, raw_s = summarize(rtts["ours"], nbytes), summarize(rtts["raw"], nbytes)
-        ratio = ours_s["rtt_ms_median"] / raw_s["rtt_ms_median"]
-        results.append(
-            {
-                "size_bytes": nbytes,
-                "size": label(nbytes),
-                "shape": list(x.shape),
-                "repeats": n,
-                "ours": ours_s,
-                "raw": raw_s,
-                "ratio": round(ratio, 3),
-                "within_20pct": ratio <= AIM_RATIO,
-            }
-        )
-        print(f"{label(nbytes):>8}: ours/raw = {ratio:.3f}", file=sys.stderr, flush=True)
+            for which in names[i % len(names) :] + names[: i % len(names)]:  # rotate who goes first
+                rtts[which].append(await timed(fns[which], x))
+        stats = {which: summarize(rtts[which], nbytes) for which in fns}
+        ratio = stats["ours"]["rtt_ms_median"] / stats["raw"]["rtt_ms_median"]
+        result = {
+            "size_bytes": nbytes,
+            "size": label(nbytes),
+            "shape": list(x.shape),
+            "repeats": n,
+            **stats,
+            "ratio": round(ratio, 3),
+            "within_20pct": ratio <= AIM_RATIO,
+        }
+        line = f"{label(nbytes):>8}: ours/raw = {ratio:.3f}"
+        if key is not None:
+            result["keyed_ratio"] = round(stats["keyed"]["rtt_ms_median"] / stats["ours"]["rtt_ms_median"], 3)
+            line += f", keyed/ours = {result['keyed_ratio']:.3f}"
+        results.append(result)
+        print(line, file=sys.stderr, flush=True)
     return results
 
 
@@ -234,11 +255,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated frame sizes, e.g. 64K,1M,16M")
     parser.add_argument("--repeats", type=int, default=None, help="timed round trips per size and transport")
+    parser.add_argument(
+        "--swarm-key",
+        action="store_true",
+        help="also time our transport in a private swarm (the key's handshake on every stream)",
+    )
     parser.add_argument("--json-out", default=None, help="also write the JSON document to this file")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--key-file", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(serve())
+        asyncio.run(serve(load_swarm_key(args.key_file) if args.key_file else None))
         return
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     for nbytes in sizes:
@@ -247,15 +274,18 @@ def main() -> None:
         raise SystemExit(f"--repeats must be at least 2 (for a p90), got {args.repeats}")
 
     t0, load_before = time.perf_counter(), os.getloadavg()[0]
-    proc, server = start_server()
-    node = None
-    try:
-        node = SwarmNode(NodeConfig(initial_peers=tuple(server["addrs"][:1])))
-        results = asyncio.run(bench(node, server["peer_id"], sizes, args.repeats))
-    finally:
-        if node is not None:
-            node.shutdown()
-        stop_server(proc)
+    with tempfile.TemporaryDirectory() as key_dir:
+        key_path = os.path.join(key_dir, "swarm.key") if args.swarm_key else None
+        key = generate_swarm_key(key_path) if key_path else None
+        proc, server = start_server(key_path)
+        node = None
+        try:
+            node = SwarmNode(NodeConfig(initial_peers=tuple(server["addrs"][:1])))
+            results = asyncio.run(bench(node, server["peer_id"], sizes, args.repeats, key))
+        finally:
+            if node is not None:
+                node.shutdown()
+            stop_server(proc)
 
     doc = {
         "benchmark": "transport",
@@ -270,11 +300,15 @@ def main() -> None:
             "back in a 'result' frame, with all of read_frame's checks on both ends",
             "raw": "P2P.send_raw_data / receive_raw_data echo of the same bytes over "
             "call_binary_stream_handler",
+            "calls_per_s": "1 / median rtt: sequential calls per second on one stream at a time",
+            "keyed": "(--swarm-key) ours in a private swarm: every stream first does the swarm key's "
+            "handshake (hello, challenge, proof: one more round trip)",
+            "keyed_ratio": "(--swarm-key) keyed rtt_ms_median / ours rtt_ms_median: the handshake's cost",
         },
         "setup": {
             "transport": "two processes on 127.0.0.1, each with its own SwarmNode and p2pd",
             "warmup_per_size": WARMUP,
-            "interleaving": "ours and raw alternate, swapping which goes first every repetition",
+            "interleaving": "the transports take turns, rotating which goes first every repetition",
             "python": platform.python_version(),
             "torch": torch.__version__,
             "hivemind": hivemind.__version__,

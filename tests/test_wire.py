@@ -305,10 +305,39 @@ def test_payload_over_max_frame_bytes_is_refused_before_reading_or_allocating_it
     assert allocated == []
     # Refused from the prefix alone: the header is still unread in the stream.
     assert left_after_rejection(data, max_frame_bytes=2**20) == data[PREFIX.size :]
-    # Within the limit, the same header leads to a read of the payload.
+    # Within the limit, the same header leads to a read of the payload, which is kept as it
+    # arrives: a payload buffer that starts empty, never one of the promised size.
     with pytest.raises(asyncio.IncompleteReadError):
         read_bytes(data, max_frame_bytes=4 * 2**20)
-    assert allocated == [(4 * 2**20,)]
+    assert allocated == [()]
+
+
+def test_memory_is_charged_as_the_payload_arrives_and_a_charge_can_refuse_it():
+    hdr = msgpack.packb(header(tensors=[spec(shape=(1024, 1024))]), use_bin_type=True)  # 4 MiB promised
+    arrived = 3 * 2**20 + 5
+    data = raw_frame(hdr, 4 * 2**20, bytes(arrived))
+    charges = []
+    with pytest.raises(asyncio.IncompleteReadError):
+        read_bytes(data, max_frame_bytes=4 * 2**20, charge=charges.append)
+    # the prefix and header first, then the payload in chunks of at most READ_CHUNK_BYTES
+    assert charges[0] == PREFIX.size + len(hdr)
+    assert sum(charges[1:]) == arrived and max(charges[1:]) <= frames.READ_CHUNK_BYTES
+
+    def refuse_past_1mib(nbytes: int) -> None:
+        charges.append(nbytes)
+        if sum(charges) > 2**20:
+            raise BadFrameError("over budget")
+
+    charges = []
+    left = left_after_rejection(data, max_frame_bytes=4 * 2**20, charge=refuse_past_1mib)
+    # refused by the first chunk past the budget: everything after it is still unread
+    assert sum(charges) > 2**20 and len(left) == len(data) - sum(charges)
+
+
+def test_a_frame_whose_prefix_the_caller_already_read():
+    frame = Frame(kind="ping", run_id="r", meta={"t": 1.0})
+    data = encoded(frame)
+    assert_same_frame(frame, read_bytes(data[4:], first=data[:4]))
 
 
 @pytest.mark.parametrize(

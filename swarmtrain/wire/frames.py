@@ -13,8 +13,8 @@ tensors' bytes back to back, in header order.
 A reader checks the prefix against its limits before reading anything else, validates the
 whole header before reading the payload (for a compressed tensor: a known codec, its meta,
 and the payload size the codec needs for the declared shape; the decoded sizes against
-`max_decoded_bytes`), and decodes and checks for NaN/inf before handing tensors on: a peer
-can make us reject a frame, never allocate what the header did not promise.
+`max_decoded_bytes`), keeps the payload as it arrives, and decodes and checks for NaN/inf
+before handing tensors on: a peer can make us reject a frame, never hold more than it sent.
 
 Senders choose codecs per tensor (`Frame(..., codecs={"x": "int8"})`) or put tensors they
 encoded themselves (`Encoded`, for error feedback) in `tensors`; receivers always get plain
@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,7 @@ MAX_CODEC_META_CHARS = 32
 """Longest key or string value in a codec's meta."""
 MAX_DECODE_EXPANSION = 8
 """Default limit on decoded / wire bytes (4-bit codecs decode to at most 8x their size in fp32)."""
+READ_CHUNK_BYTES = 2**20  # most payload bytes read (and kept) at a time
 
 
 @dataclass(kw_only=True)
@@ -391,33 +393,34 @@ async def read_frame(
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     max_decoded_bytes: int | None = None,
     allow_nonfinite: bool = False,
+    charge: Callable[[int], None] = lambda _nbytes: None,
+    first: bytes = b"",
 ) -> Frame:
     """Read one frame. Raises BadFrameError for a malformed one, IncompleteReadError on EOF.
 
-    `max_frame_bytes` bounds the payload as it comes off the wire, `max_decoded_bytes` the
-    tensors once decoded (default MAX_DECODE_EXPANSION x max_frame_bytes).
+    `max_frame_bytes` bounds the payload off the wire, `max_decoded_bytes` the decoded tensors
+    (default MAX_DECODE_EXPANSION x max_frame_bytes). Memory grows as bytes arrive: `charge(n)`
+    runs before n more are kept and may raise BadFrameError; `first`: prefix bytes already read.
     """
     if max_decoded_bytes is None:
         max_decoded_bytes = MAX_DECODE_EXPANSION * max_frame_bytes
-    prefix = await reader.readexactly(PREFIX.size)
-    magic, header_len, payload_len = PREFIX.unpack(prefix)
+    magic, header_len, payload_len = PREFIX.unpack(first + await reader.readexactly(PREFIX.size - len(first)))
     _check(magic == MAGIC, f"not a swarmtrain frame (magic {magic!r}, expected {MAGIC!r})")
     _check(header_len <= MAX_HEADER_BYTES, f"frame header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
     _check(
         payload_len <= max_frame_bytes,
         f"frame payload of {payload_len} bytes exceeds the limit of {max_frame_bytes} bytes",
     )
-    header = parse_header(
-        await reader.readexactly(header_len), payload_len, max_decoded_bytes=max_decoded_bytes
-    )
-    payload = bytearray(payload_len)
-    view, got = memoryview(payload), 0
-    while got < payload_len:
-        chunk = await reader.read(min(payload_len - got, 2**20))
+    charge(PREFIX.size + header_len)
+    raw_header = await reader.readexactly(header_len)
+    header = parse_header(raw_header, payload_len, max_decoded_bytes=max_decoded_bytes)
+    payload = bytearray()
+    while len(payload) < payload_len:
+        chunk = await reader.read(min(payload_len - len(payload), READ_CHUNK_BYTES))
         if not chunk:
-            raise asyncio.IncompleteReadError(bytes(payload[:got]), payload_len)
-        view[got : got + len(chunk)] = chunk
-        got += len(chunk)
+            raise asyncio.IncompleteReadError(bytes(payload), payload_len)
+        charge(len(chunk))
+        payload += chunk
     return Frame(
         kind=header["kind"],
         run_id=header["run"],
@@ -431,16 +434,16 @@ async def read_frame(
     )
 
 
-async def write_frame(writer: asyncio.StreamWriter, frame: Frame) -> int:
-    """Write `frame` (compressing what `frame.codecs` names); returns its payload bytes on the wire."""
+async def write_frame(writer: asyncio.StreamWriter, frame: Frame, *, preamble: bytes = b"") -> int:
+    """Write `preamble` then `frame` (compressed as `frame.codecs` says); returns its wire payload bytes."""
     # every separate send is a hop through both p2p daemons: send small frames whole, and a
     # large frame's prefix and header together (copying its payload would cost more)
     prefix, header, *payload = encode_frame(frame)
     payload_len = sum(b.nbytes for b in payload)
     if payload_len <= 64 * 1024:
-        writer.write(b"".join([prefix, header, *payload]))
+        writer.write(b"".join([preamble, prefix, header, *payload]))
     else:
-        writer.write(prefix + header)
+        writer.write(preamble + prefix + header)
         for buf in payload:
             writer.write(buf)
     await writer.drain()
