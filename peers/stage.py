@@ -190,7 +190,7 @@ class StagePeer:
         start, end = manifest.stage_span(self.stage)
         static = manifest.schedule == "static"
         self.router = RoundRobinRouter() if static else ReadinessRouter()
-        self.transport = TensorTransport(await node.p2p(), cfg.transport)
+        self.transport = TensorTransport(await node.p2p(), cfg.transport, swarm_key=node.swarm_key)
         self._take_stage(self.stage)
         if cfg.rebalance_s > 0:
             from swarmtrain.train.placement import StageRebalancer

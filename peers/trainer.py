@@ -127,7 +127,7 @@ class Trainer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _make_transport(self) -> TensorTransport:
-        return TensorTransport(await self.node.p2p(), self.config.transport)
+        return TensorTransport(await self.node.p2p(), self.config.transport, swarm_key=self.node.swarm_key)
 
     def close(self) -> None:
         """Close the streams, then the DHT node; safe to call twice."""

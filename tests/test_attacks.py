@@ -73,7 +73,7 @@ async def as_outsider(swarm, fn):
     """Run `fn(node, transport)` as a fresh outsider: its own identity, joined to the DHT."""
     node = SwarmNode(swarm.node_config())
     try:
-        return await fn(node, TensorTransport(await node.p2p()))
+        return await fn(node, TensorTransport(await node.p2p(), swarm_key=node.swarm_key))
     finally:
         await node.close_p2p()
         node.shutdown()
