@@ -299,6 +299,13 @@ class SwarmNode:
         self._owners[run_id] = owner
         return RunManifest.from_dict(open_record(envelope))
 
+    def _private_hint(self) -> str:
+        """What to add to 'no run here' when this peer has no swarm key: a private swarm's
+        records are unreadable without it, so the swarm looks empty."""
+        if self.swarm_key is not None:
+            return ""
+        return " (if the swarm is private, every peer needs its key: pass --swarm-key FILE)"
+
     def require_manifest(self, run_id: str | None) -> RunManifest:
         """The manifest of `run_id` (or of the only run, if None); RunNotFoundError otherwise."""
         runs = self.known_runs()
@@ -308,6 +315,7 @@ class SwarmNode:
             elif not runs:
                 raise RunNotFoundError(
                     "no run is announced in this swarm yet: start one with `swarmtrain coordinator`"
+                    + self._private_hint()
                 )
             else:
                 raise RunNotFoundError(
@@ -318,7 +326,7 @@ class SwarmNode:
             if not runs:
                 raise RunNotFoundError(
                     f"no run {run_id!r} in this swarm, nor any other: start it with "
-                    f"`swarmtrain coordinator --run-id {run_id}`"
+                    f"`swarmtrain coordinator --run-id {run_id}`" + self._private_hint()
                 )
             known = ", ".join(repr(r) for r in runs)
             raise RunNotFoundError(
