@@ -15,6 +15,7 @@ import typer  # noqa: E402
 
 from swarmtrain.cli.options import (  # noqa: E402
     USAGE_EXIT_CODE,
+    AllowModel,
     Host,
     InitialPeers,
     Port,
@@ -303,10 +304,12 @@ def join(
             show_default="no fault",
         ),
     ] = None,
+    allow_model: AllowModel = None,
     verbose: Verbose = False,
 ) -> None:
     """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
     setup_logging(verbose)
+    from swarmtrain.model import ModelSources
     from swarmtrain.peers.probe import parse_bytes, resolve_device
     from swarmtrain.peers.stage import StageConfig, StagePeer
     from swarmtrain.swarm import NodeConfig
@@ -328,6 +331,7 @@ def join(
             is_spot=spot,
             slowdown_file=None if slowdown_file is None else str(slowdown_file),
             fault=inject_fault,
+            models=ModelSources(allow=tuple(allow_model or ())),
         )
         peer = StagePeer(config)
         if ready_file is not None:
@@ -369,10 +373,12 @@ def train(
     jsonl: Annotated[
         bool, typer.Option("--jsonl", help="Print one JSON object per step instead of text.")
     ] = False,
+    allow_model: AllowModel = None,
     verbose: Verbose = False,
 ) -> None:
     """Train a run: feed microbatches of byte-level text into the swarm and step it."""
     setup_logging(verbose)
+    from swarmtrain.model import ModelSources
     from swarmtrain.peers.trainer import Trainer, TrainerConfig
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.train.data import text_batches_for
@@ -386,7 +392,8 @@ def train(
             node=NodeConfig(initial_peers=tuple(initial_peers)), run_id=run_id, microbatch_timeout_s=timeout
         )
         with Trainer(config) as trainer:
-            batches = text_batches_for(trainer.manifest, data)
+            models = ModelSources(allow=tuple(allow_model or ()))
+            batches = text_batches_for(trainer.manifest, data, models=models)
             for result in trainer.train(batches, steps=steps):
                 if jsonl:
                     record = {
