@@ -268,6 +268,13 @@ def join(
     max_strikes: Annotated[
         int, typer.Option(min=1, help="Bad frames from one peer before it is banned (for 60 s).")
     ] = 3,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            help="Seconds a request may take to arrive whole once its stream opens; then it is refused.",
+        ),
+    ] = 30.0,
     spot: Annotated[bool, typer.Option("--spot", help="This machine may be preempted at any time.")] = False,
     max_memory: Annotated[
         str | None,
@@ -324,7 +331,11 @@ def join(
             stage=stage,
             device=resolve_device(gpu),
             num_threads=threads,
-            transport=TransportConfig(max_frame_bytes=int(max_frame_mb * 2**20), max_strikes=max_strikes),
+            transport=TransportConfig(
+                max_frame_bytes=int(max_frame_mb * 2**20),
+                max_strikes=max_strikes,
+                read_timeout_s=read_timeout,
+            ),
             slowdown=slowdown,
             rebalance_s=rebalance_every,
             max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
