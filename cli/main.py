@@ -16,6 +16,7 @@ import typer  # noqa: E402
 from swarmtrain.cli.keys import keygen, whoami  # noqa: E402
 from swarmtrain.cli.options import (  # noqa: E402
     USAGE_EXIT_CODE,
+    AllowModel,
     Host,
     IdentityPath,
     InitialPeers,
@@ -326,6 +327,13 @@ def join(
     max_strikes: Annotated[
         int, typer.Option(min=1, help="Bad frames from one peer before it is banned (for 60 s).")
     ] = 3,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            help="Seconds a request may take to arrive whole once its stream opens; then it is refused.",
+        ),
+    ] = 30.0,
     spot: Annotated[bool, typer.Option("--spot", help="This machine may be preempted at any time.")] = False,
     max_memory: Annotated[
         str | None,
@@ -365,10 +373,12 @@ def join(
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     run_owner: RunOwner = None,
+    allow_model: AllowModel = None,
     verbose: Verbose = False,
 ) -> None:
     """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
     setup_logging(verbose)
+    from swarmtrain.model import ModelSources
     from swarmtrain.peers.probe import parse_bytes, resolve_device
     from swarmtrain.peers.stage import StageConfig, StagePeer
     from swarmtrain.swarm import NodeConfig
@@ -387,13 +397,18 @@ def join(
             stage=stage,
             device=resolve_device(gpu),
             num_threads=threads,
-            transport=TransportConfig(max_frame_bytes=int(max_frame_mb * 2**20), max_strikes=max_strikes),
+            transport=TransportConfig(
+                max_frame_bytes=int(max_frame_mb * 2**20),
+                max_strikes=max_strikes,
+                read_timeout_s=read_timeout,
+            ),
             slowdown=slowdown,
             rebalance_s=rebalance_every,
             max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
             is_spot=spot,
             slowdown_file=None if slowdown_file is None else str(slowdown_file),
             fault=inject_fault,
+            models=ModelSources(allow=tuple(allow_model or ())),
         )
         peer = StagePeer(config)
         if ready_file is not None:
@@ -438,10 +453,12 @@ def train(
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     run_owner: RunOwner = None,
+    allow_model: AllowModel = None,
     verbose: Verbose = False,
 ) -> None:
     """Train a run: feed microbatches of byte-level text into the swarm and step it."""
     setup_logging(verbose)
+    from swarmtrain.model import ModelSources
     from swarmtrain.peers.trainer import Trainer, TrainerConfig
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.train.data import text_batches_for
@@ -456,7 +473,8 @@ def train(
         )
         config = TrainerConfig(node=node, run_id=run_id, microbatch_timeout_s=timeout)
         with Trainer(config) as trainer:
-            batches = text_batches_for(trainer.manifest, data)
+            models = ModelSources(allow=tuple(allow_model or ()))
+            batches = text_batches_for(trainer.manifest, data, models=models)
             for result in trainer.train(batches, steps=steps):
                 if jsonl:
                     record = {

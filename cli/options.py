@@ -74,6 +74,28 @@ Threads = Annotated[
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log progress to stderr.")]
 
 
+def check_allow_model_flag(patterns: list[str] | None) -> list[str]:
+    """Reject an --allow-model that is not a pattern of import paths while the flags are parsed."""
+    from swarmtrain.model import ModelSources
+
+    ModelSources(allow=tuple(patterns or ()))
+    return list(patterns or ())
+
+
+AllowModel = Annotated[
+    list[str],
+    typer.Option(
+        "--allow-model",
+        help="Let the run's manifest name this import path 'package.module:function' as its model "
+        "(fnmatch pattern, e.g. 'mylab.models:*'): this peer imports and runs it, so allow only "
+        "code you trust. Repeat for several. Registered names (tiny-gpt) and installed entry points "
+        "(group swarmtrain.models) need no flag.",
+        show_default="no import path",
+        callback=check_allow_model_flag,
+    ),
+]
+
+
 def print_error(message: str) -> None:
     """Print `message` as one red line on stderr, prefixed 'error: '."""
     typer.secho(f"error: {' '.join(message.split())}", fg="red", err=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import swarmtrain
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
+from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.dashboard.config import DashboardConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.wire.keys import MANIFEST_TTL_S
@@ -39,7 +40,8 @@ class CoordinatorConfig:
     run_id: str = "demo"
     """Run id; peers pass it as --run-id (optional when the swarm has one run)."""
     model: str = "tiny-gpt"
-    """Model builder: a registered name or 'package.module:function'."""
+    """Model builder: a registered name, an installed entry point's name, or 'package.module:function'
+    (the owner chose it, so this process imports it; each stage peer must allow it, --allow-model)."""
     model_config: dict = field(default_factory=dict)
     """Keyword arguments for the builder."""
     num_stages: int = 3
@@ -77,7 +79,8 @@ class CoordinatorConfig:
 def make_manifest(config: CoordinatorConfig) -> RunManifest:
     """The run's manifest; builds the model on the meta device to count its blocks and to
     check that the loss is registered and fits the model's output (ConfigError otherwise)."""
-    model = build_model(config.model, config.model_config, device="meta")
+    own_model = NO_IMPORTS.allowing(config.model)  # the owner's choice: no other import path
+    model = build_model(config.model, config.model_config, device="meta", sources=own_model)
     model.loss_input_specs(config.loss)
     return RunManifest(
         run_id=config.run_id,

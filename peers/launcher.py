@@ -224,12 +224,18 @@ class LocalSwarm:
             "--ready-file", str(self.log_dir / f"{name}.ready"),
             *_optional("--stage", stage),
             *self.trust_args(name),
+            *self._allow_own_model(),
             *extra_args,
         ]  # fmt: skip
         self.spawn(name, args)
         if wait:
             self.wait_ready(name)
         return name
+
+    def _allow_own_model(self) -> list[str]:
+        # Whoever launches this swarm chose its model: its stage peers may import it.
+        model = self.config.model
+        return ["--allow-model", model] if ":" in model else []
 
     def wait_ready(self, name: str) -> str:
         """Wait until peer `name` serves; returns its peer id."""

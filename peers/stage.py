@@ -27,7 +27,7 @@ from hivemind.utils import get_dht_time
 
 import swarmtrain
 from swarmtrain.errors import ConfigError
-from swarmtrain.model import build_stage
+from swarmtrain.model import ModelSources, build_stage, resolve_builder
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
 from swarmtrain.peers.self_measure import capacity, device_label, link_figures, memory_used_bytes
 from swarmtrain.schedule import (
@@ -93,6 +93,9 @@ class StageConfig:
     """Test hook, 'ACTION:KIND:N': SIGKILL ('kill') or SIGTERM ('term') this peer as its N-th
     'forward' / 'backward' / 'loss' task starts (see peers/faults.py)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
+    models: ModelSources = field(default_factory=ModelSources)
+    """Import paths of builders this peer lets a run's manifest name (--allow-model); registered
+    names and installed entry points need none."""
 
     def __post_init__(self):
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
@@ -163,6 +166,9 @@ class StagePeer:
     async def _serve(self, node: SwarmNode) -> None:
         cfg = self.config
         self.manifest = manifest = node.require_manifest(cfg.run_id)
+        # Anyone may write the manifest: its model passes this peer's own allowance before anything
+        # builds it. Once admitted it resolves by name (placement's cost tracing builds it too).
+        resolve_builder(manifest.model, cfg.models, named_by=f"the manifest of run {manifest.run_id!r}")
         probe = partial(
             capacity,
             cfg.device,
@@ -237,6 +243,7 @@ class StagePeer:
             seed=manifest.seed,
             loss=manifest.loss,
             device=self.config.device,
+            sources=self.config.models,
         )
         self.stage = stage
         self.runner = runner = StageRunner(

@@ -3,7 +3,8 @@
 The public API, importable from the top level (loaded on first use, so `import swarmtrain`
 stays cheap):
 
-- models: `SwarmModel`, `register_builder`, `register_loss`, `build_model`, `build_stage`, `GPTConfig`
+- models: `SwarmModel`, `register_builder`, `register_loss`, `build_model`, `build_stage`, `GPTConfig`,
+  `ModelSources` (the import paths a peer allows a run to name as its model)
 - roles: `Coordinator` / `CoordinatorConfig`, `StagePeer` / `StageConfig`,
   `Trainer` / `TrainerConfig`, and `LocalSwarm` / `LocalSwarmConfig` for a whole swarm
   on this machine
@@ -22,6 +23,7 @@ _EXPORTS = {
     "build_model": "swarmtrain.model",
     "build_stage": "swarmtrain.model",
     "GPTConfig": "swarmtrain.model",
+    "ModelSources": "swarmtrain.model",
     "Coordinator": "swarmtrain.peers.coordinator",
     "CoordinatorConfig": "swarmtrain.peers.coordinator",
     "StagePeer": "swarmtrain.peers.stage",

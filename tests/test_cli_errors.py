@@ -105,6 +105,10 @@ CASES = {
         ("coordinator", "--model", "nosuchpkg.mod:fn"),
         ("model 'nosuchpkg.mod:fn'", "cannot import module 'nosuchpkg.mod'"),
     ),
+    "allow-model-not-a-pattern": Case(
+        ("join", "--initial-peers", "{nobody}", "--allow-model", "mylab"),
+        ("--allow-model 'mylab' is not a pattern of import paths", "'mylab.models:*'"),
+    ),
     "model-bad-option": Case(
         ("coordinator", "--model-config", "foo=1"),
         ("does not take option 'foo'", "n_layer"),

@@ -4,7 +4,7 @@ refused with a message that names it."""
 import pytest
 
 from swarmtrain.errors import BadFrameError
-from swarmtrain.wire.frames import Frame, encode_frame
+from swarmtrain.wire.frames import MAX_META_LIST, Frame, encode_frame
 from swarmtrain.wire.messages import (
     NO_PREFERENCE,
     Abort,
@@ -123,3 +123,16 @@ def test_an_unknown_commit_phase_is_refused():
 def test_a_forward_names_its_preferred_replica_per_stage():
     meta = ForwardMeta(loss_scale=1.0, budget_s=1.0, prefer=("QmA", NO_PREFERENCE))
     assert (meta.preferred(0), meta.preferred(1), meta.preferred(2)) == ("QmA", None, None)
+
+
+def test_a_commit_phase_of_the_wrong_type_is_a_bad_frame_not_an_internal_error():
+    for phase in ([], {}, None, 3):
+        with pytest.raises(BadFrameError, match="unknown commit phase"):
+            CommitRequest.parse({"phase": phase})
+
+
+def test_a_static_step_cannot_claim_more_microbatches_than_a_commit_can_list():
+    slots = {"slots": [0, 0], "slot_counts": [1, 1], "loss_scale": 0.5, "budget_s": 1.0}
+    assert ForwardMeta.from_meta(slots | {"microbatches": MAX_META_LIST}).microbatches == MAX_META_LIST
+    with pytest.raises(BadFrameError, match=r"'microbatches' must be an int in \[1, 4096\]"):
+        ForwardMeta.from_meta(slots | {"microbatches": 2**62})

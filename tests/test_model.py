@@ -12,6 +12,7 @@ from torch import nn
 from swarmtrain.errors import ConfigError, UnknownModelError
 from swarmtrain.model import (
     GPTConfig,
+    ModelSources,
     SwarmModel,
     build_model,
     build_stage,
@@ -28,10 +29,12 @@ from swarmtrain.wire.records import OptimizerConfig
 GPT = "tiny-gpt"
 CFG = {"n_layer": 4, "n_head": 4, "d_model": 32, "seq_len": 16}
 B, T, C, V = 3, 16, 32, 256
+OWN = ModelSources(allow=("tests.test_model:*", "no_such_pkg_xyz.*:*"))
+"""This module's builders, reached by import path: the tests' own choice."""
 
 
 def full_model(seed: int, ref: str = GPT, cfg: dict = CFG) -> SwarmModel:
-    model = build_model(ref, cfg)
+    model = build_model(ref, cfg, sources=OWN)
     model.to_empty(device="cpu")
     model.reset_parameters(seed)
     return model.eval()
@@ -186,13 +189,13 @@ def test_bad_import_paths():
     with pytest.raises(
         UnknownModelError, match="cannot import module 'no_such_pkg_xyz.models': No module named"
     ):
-        resolve_builder("no_such_pkg_xyz.models:build")
+        resolve_builder("no_such_pkg_xyz.models:build", OWN)
     with pytest.raises(UnknownModelError, match="has no attribute 'missing'"):
-        resolve_builder("tests.test_model:missing")
+        resolve_builder("tests.test_model:missing", OWN)
     with pytest.raises(UnknownModelError, match="not a callable"):
-        resolve_builder("tests.test_model:NOT_CALLABLE")
+        resolve_builder("tests.test_model:NOT_CALLABLE", OWN)
     with pytest.raises(ConfigError, match="returned a Linear, not a SwarmModel"):
-        build_model("tests.test_model:not_a_model", {})
+        build_model("tests.test_model:not_a_model", {}, sources=OWN)
 
 
 def test_bad_options_name_the_option():
@@ -201,7 +204,7 @@ def test_bad_options_name_the_option():
     ):
         build_model(GPT, {"foo": 1})
     with pytest.raises(ConfigError, match="does not take option 'heads'; it takes: width, depth"):
-        build_model("tests.test_model:tiny_mlp", {"heads": 2})
+        build_model("tests.test_model:tiny_mlp", {"heads": 2}, sources=OWN)
     with pytest.raises(ConfigError, match="d_model=30 must be divisible by n_head=4"):
         build_model(GPT, {"d_model": 30})
     with pytest.raises(ConfigError, match="n_layer must be a positive integer"):
@@ -210,13 +213,13 @@ def test_bad_options_name_the_option():
 
 def test_import_path_builder_builds_stages():
     ref = "tests.test_model:tiny_mlp"
-    stage = build_stage(ref, {"depth": 3}, 1, 3, num_blocks=3, seed=0)
+    stage = build_stage(ref, {"depth": 3}, 1, 3, num_blocks=3, seed=0, sources=OWN)
     assert stage.is_last and not stage.is_first
     assert stage.input_spec(5) == ((5, 8), torch.float32)
     assert stage.output_spec(5) == ((5, 1), torch.float32)
     x = torch.randn(5, 4)
     model = full_model(0, ref, {"depth": 3})
-    first = build_stage(ref, {"depth": 3}, 0, 1, seed=0)
+    first = build_stage(ref, {"depth": 3}, 0, 1, seed=0, sources=OWN)
     with torch.no_grad():
         assert torch.equal(stage(first(x)), model(x))
 
@@ -380,7 +383,7 @@ def test_the_three_forms_of_a_model_loss():
                 model(x, t)
             with pytest.raises(ValueError, match=r"unknown loss input 'weights'"):
                 model(x, {"targets": t, "mask": mask, "weights": mask})
-    stage = build_stage("tests.test_model:masked_mlp", {}, 1, 2, seed=0)
+    stage = build_stage("tests.test_model:masked_mlp", {}, 1, 2, seed=0, sources=OWN)
     assert stage.loss_input_specs(5) == {"targets": ((5, 3), torch.float32), "mask": ((5, 3), torch.float32)}
 
 
@@ -408,9 +411,9 @@ def test_a_model_loss_given_wrongly_says_how_to_give_it():
 
 def test_a_loss_that_does_not_fit_the_model_or_a_bad_registration_is_refused():
     scalar = "tests.test_model:scalar_mlp"
-    assert build_model(scalar, {}).loss_input_specs() == {"targets": ((), torch.float32)}
+    assert build_model(scalar, {}, sources=OWN).loss_input_specs() == {"targets": ((), torch.float32)}
     with pytest.raises(ConfigError, match=r"loss 'cross_entropy' needs class scores on the last dim"):
-        build_stage(scalar, {}, 0, 1, seed=0, loss="cross_entropy")
+        build_stage(scalar, {}, 0, 1, seed=0, loss="cross_entropy", sources=OWN)
     with pytest.raises(
         ConfigError, match=r"'cross_entropy' is already registered to swarmtrain.model.losses.cross_entropy"
     ):

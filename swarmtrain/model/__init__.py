@@ -2,13 +2,21 @@
 
 from swarmtrain.model.gpt import GPTConfig
 from swarmtrain.model.losses import Loss, get_loss, register_loss, registered_losses
-from swarmtrain.model.registry import build_model, register_builder, registered_models, resolve_builder
+from swarmtrain.model.registry import (
+    ModelSources,
+    build_model,
+    installed_models,
+    register_builder,
+    registered_models,
+    resolve_builder,
+)
 from swarmtrain.model.stage import StageModule, build_stage
 from swarmtrain.model.swarm_model import SwarmModel, block_key, init_part, part_seed
 
 __all__ = [
     "GPTConfig",
     "Loss",
+    "ModelSources",
     "StageModule",
     "SwarmModel",
     "block_key",
@@ -16,6 +24,7 @@ __all__ = [
     "build_stage",
     "get_loss",
     "init_part",
+    "installed_models",
     "part_seed",
     "register_builder",
     "register_loss",

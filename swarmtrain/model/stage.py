@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from swarmtrain.errors import ConfigError
 from swarmtrain.model.losses import Loss, SampleSpec
-from swarmtrain.model.registry import build_model
+from swarmtrain.model.registry import NO_IMPORTS, ModelSources, build_model
 from swarmtrain.model.swarm_model import (
     EMBED_KEY,
     HEAD_KEY,
@@ -149,16 +149,18 @@ def build_stage(
     seed: int,
     loss: str | None = None,
     device: str | torch.device = "cpu",
+    sources: ModelSources = NO_IMPORTS,
 ) -> StageModule:
     """The stage holding blocks [start, end) of model `model_ref`, initialised from run `seed`, on `device`.
 
     Only the held parts are materialised: on the CPU in float32, each from its per-part seed
     (so they are bit-identical to the same parts in any other stage or the full model), then
-    moved to `device`. `loss` is the run's loss by registered name (None: the model's own).
-    Raises ConfigError if the model has other than `num_blocks` blocks (when given), [start,
-    end) is not a non-empty range within them, or the loss is unknown or does not fit the model.
+    moved to `device`. `loss` is the run's loss by registered name (None: the model's own);
+    `model_ref` resolves under `sources` (`resolve_builder`). Raises ConfigError if the model
+    has other than `num_blocks` blocks (when given), [start, end) is not a non-empty range
+    within them, or the loss is unknown or does not fit the model.
     """
-    model = build_model(model_ref, model_config, device="meta")
+    model = build_model(model_ref, model_config, device="meta", sources=sources)
     n = model.num_blocks
     if num_blocks is not None and num_blocks != n:
         raise ConfigError(

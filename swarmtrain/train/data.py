@@ -12,12 +12,16 @@ import os
 import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from swarmtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from swarmtrain.model import ModelSources
+    from swarmtrain.wire.records import RunManifest
 
 
 def loss_inputs_of(item: Any) -> tuple[Tensor, dict[str, Tensor]]:
@@ -137,15 +141,21 @@ class TokenBatches:
         return windows[:, :-1], windows[:, 1:]  # (B, T), (B, T)
 
 
-def text_batches_for(manifest, source: str = "stdlib") -> TokenBatches:
+def text_batches_for(
+    manifest: RunManifest, source: str = "stdlib", *, models: ModelSources | None = None
+) -> TokenBatches:
     """Microbatches of `source` text shaped for `manifest`'s model, in the run seed's order.
 
     Only token models (input: (seq_len,) integer ids) can be fed text; for any other model
-    run a trainer from Python over your own data.
+    run a trainer from Python over your own data. The manifest's model is built (on the meta
+    device) only from where `models` (a `ModelSources`; None: no import path) lets this peer
+    take builders.
     """
-    from swarmtrain.model import build_model
+    from swarmtrain.model import ModelSources, build_model, resolve_builder
 
-    model = build_model(manifest.model, manifest.model_config, device="meta")
+    models = models or ModelSources()
+    resolve_builder(manifest.model, models, named_by=f"the manifest of run {manifest.run_id!r}")
+    model = build_model(manifest.model, manifest.model_config, device="meta", sources=models)
     if len(model.input_shape) != 1 or model.input_dtype not in (torch.int64, torch.int32):
         raise ConfigError(
             f"model {manifest.model!r} does not take token ids, so `swarmtrain train` cannot feed it text: "

@@ -26,6 +26,7 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from swarmtrain.errors import BadFrameError
+from swarmtrain.wire.frames import MAX_META_LIST
 
 MAX_PEER_ID_CHARS = 128
 MAX_MB_ID_CHARS = 256
@@ -55,10 +56,10 @@ def _float(lo: float, hi: float, *, lo_open: bool = False):
     return check
 
 
-def _int(lo: int = 0):
+def _int(lo: int = 0, hi: int | None = None):
     def check(v, what, name):
-        if not _is_int(v) or v < lo:
-            _fail(what, name, f"an int >= {lo}", v)
+        if not _is_int(v) or v < lo or (hi is not None and v > hi):
+            _fail(what, name, f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]", v)
         return v
 
     return check
@@ -177,7 +178,9 @@ class ForwardMeta(Message):
         "needed_by": _ints(),
         "slots": _ints(),
         "slot_counts": _ints(1),
-        "microbatches": _optional(_int(1)),
+        # A step's microbatch ids travel in one meta list (the commit's), so it has no more;
+        # each stage counts through them when it is given them.
+        "microbatches": _optional(_int(1, MAX_META_LIST)),
     }
     loss_scale: float
     """Factor on the loss (1 / microbatches in the step), so the gradient sum is the step's mean."""
@@ -272,7 +275,7 @@ class CommitRequest(Message):
         """The typed request of a 'step' frame's meta; BadFrameError for an unknown phase."""
         phase = meta.get("phase") if isinstance(meta, dict) else None
         kinds = {k.PHASE.value: k for k in (Prepare, Exchange, Apply, Abort)}
-        if phase not in kinds:
+        if not isinstance(phase, str) or phase not in kinds:  # a list here is unhashable
             raise BadFrameError(f"unknown commit phase {phase!r} (known: {', '.join(kinds)})")
         return kinds[phase].from_meta(meta)
 
