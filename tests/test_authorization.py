@@ -7,6 +7,7 @@ and training ends bit-identical to the same run without the attack."""
 
 import asyncio
 import itertools
+import logging
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from swarmtrain.errors import Cause, RemoteError
 from swarmtrain.train import step as step_module
 from swarmtrain.train.authority import (
     RunAuthority,
+    StepClaims,
     committed_step,
     join_sources,
     microbatch_id,
@@ -29,6 +31,7 @@ from swarmtrain.transport.memory import frame_is
 from swarmtrain.wire.frames import Frame
 from swarmtrain.wire.messages import Abort, Apply, Exchange, ForwardMeta, GradsMeta, Prepare
 from swarmtrain.wire.metrics import TrainerPoint
+from swarmtrain.wire.records import PeerRecord
 from tests.test_protocol import assert_parity, batches, manifest
 
 A, B, OUT = "trainerA", "trainerB", "outsider"
@@ -139,6 +142,23 @@ def test_resync_goes_only_to_steps_an_authorized_trainer_committed():
     # a joiner tries the plausible replicas first, furthest first; the forger last
     assert join_sources(replicas, 4) == ["r1", "r2", "r3", "forger"]
     assert join_sources([("forger", 9), ("r1", 0)], None) == ["r1", "forger"]  # a fresh run is at step 0
+
+
+def test_a_stage_peer_resyncs_from_committed_claims_and_warns_once_about_a_forged_one(caplog):
+    claims = StepClaims(lambda: (A,))
+    records = [PeerRecord(peer_id=p, role="stage", stage=0, step=s) for p, s in (("forger", 1000), ("r1", 5))]
+    points = [
+        TrainerPoint(trainer=A, step=4, loss=1.0, tokens_per_s=1.0, t=0.0).to_dict(),
+        TrainerPoint(trainer=OUT, step=999, loss=1.0, tokens_per_s=1.0, t=0.0).to_dict(),
+        {"trainer": A, "step": "many"},  # malformed: skipped
+    ]
+    with caplog.at_level(logging.WARNING, logger="swarmtrain.train.authority"):
+        assert claims.resync_from(records, 3, points) == ["r1"]
+        assert claims.resync_from(records, 3, points) == ["r1"]
+        assert claims.resync_from(records, 5, points[1:]) == []  # nothing committed: no resync
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "replica forger claims step 1000" in warned[0] and "furthest: 4" in warned[0]
+    assert claims.join_from(records, points) == ["r1", "forger"]
 
 
 # the attacks, in process
