@@ -39,6 +39,7 @@ from swarmtrain.schedule import (
 )
 from swarmtrain.schedule.runtime import ComputeScheduler
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
+from swarmtrain.train.authority import RunAuthority, StepClaims
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.placement import choose_stage, stage_memory_figures
 from swarmtrain.train.service import StageService
@@ -132,6 +133,8 @@ class StagePeer:
         self.router: ReadinessRouter | None = None
         self._replicas: dict[int, list[str]] = {}
         self._records: list[PeerRecord] = []
+        self._members: dict[str, int] = {}  # peer id -> the stage it is a member of (any state)
+        self._claims = StepClaims(lambda: self.manifest.trainers or None)  # None: an open run
         self._slowdown = SlowdownSource(config.slowdown, config.slowdown_file)
         self._faults = FaultInjector(config.fault)
         self.on_serving = lambda: None
@@ -194,14 +197,14 @@ class StagePeer:
         else:
             self.stage = cfg.stage
         start, end = manifest.stage_span(self.stage)
-        static = manifest.schedule == "static"
-        self.router = RoundRobinRouter() if static else ReadinessRouter()
+        self.router = RoundRobinRouter() if manifest.schedule == "static" else ReadinessRouter()
         self.transport = TensorTransport(await node.p2p(), cfg.transport, swarm_key=node.swarm_key)
         self._take_stage(self.stage)
         if cfg.rebalance_s > 0:
             from swarmtrain.train.placement import StageRebalancer
 
             self._rebalancer = StageRebalancer(manifest, patience=cfg.rebalance_patience)
+        await self._heartbeat()  # a member of its stage (joining): its replicas hand it their state
         await self._sync_from_replica()
         await self._measure_links()
         await self.refresh_replicas()
@@ -213,13 +216,9 @@ class StagePeer:
         self._since = get_dht_time()
         self.state = "serving"
         await self._heartbeat()
+        blocks = f"blocks {start}-{end - 1}"
         logger.info(
-            "serving stage %d (blocks %d-%d) of run %s as %s",
-            self.stage,
-            start,
-            end - 1,
-            manifest.run_id,
-            self.peer_id,
+            "serving stage %d (%s) of run %s as %s", self.stage, blocks, manifest.run_id, self.peer_id
         )
         self.on_serving()
         beats = asyncio.create_task(self._heartbeats())
@@ -276,7 +275,12 @@ class StagePeer:
                 replicas=lambda k: self._replicas.get(k, []),
                 refresh=self.refresh_replicas,
                 link_bandwidth=self._bandwidth_to,
-                is_draining=lambda: self.state == "draining",
+                authority=RunAuthority(
+                    trainers=self._claims.trainers,
+                    stage_of=lambda peer: self._members.get(peer),
+                    refresh=self.refresh_replicas,
+                ),
+                is_draining=lambda: self.state != "serving",
                 on_behind=self.resync_soon,
                 on_applied=self.heartbeat_soon,
             ),
@@ -290,6 +294,8 @@ class StagePeer:
         await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
         await self._wait_idle(self.config.drain_timeout_s)
         self._take_stage(stage)
+        self.state = "joining"  # a member of its new stage: its replicas hand it their state
+        await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
         await self._sync_from_replica()
         await self.refresh_replicas()
         self._since, self.state = get_dht_time(), "serving"
@@ -302,9 +308,8 @@ class StagePeer:
         by leaving (it was exchanged with the other replicas, or the step was applied)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not self.service.in_flight and (
-                not self.runner.has_gradients or self.service.commit.exchanged
-            ):
+            nothing_to_lose = not self.runner.has_gradients or self.service.commit.exchanged
+            if not self.service.in_flight and nothing_to_lose:
                 return
             await asyncio.sleep(0.05)
 
@@ -319,7 +324,6 @@ class StagePeer:
         logger.info("stage %d left the swarm (%d microbatches served)", self.stage, self.counters.served)
 
     def record(self) -> PeerRecord:
-        ready = self.scheduler.readiness()
         banned = sorted(self.router.bans.banned(time.monotonic()))[:MAX_BANNED_LISTED]
         return PeerRecord(
             peer_id=self.peer_id,
@@ -332,11 +336,8 @@ class StagePeer:
             step=self.runner.step,
             capacity=self.capacity,
             since=self._since,
-            queue_depth=ready["queue_depth"],
-            backlog_s=ready["backlog_s"],
-            service_s=ready["service_s"],
+            **self.scheduler.readiness(),  # queue_depth, backlog_s, service_s, holding
             in_flight_budget=self.budget,
-            holding=ready["holding"],
             memory_used_bytes=memory_used_bytes(self.config.device),
             busy_s=self.scheduler.busy_s,
             replayed=self.counters.replayed,
@@ -371,6 +372,7 @@ class StagePeer:
         if wait_s > 0:
             await asyncio.sleep(wait_s)
         self._records = await self.node.peers_async(self.manifest.run_id)
+        self._members = {r.peer_id: r.stage for r in self._records if r.role == "stage"}
         by_stage = stage_replicas(self._records)
         self._replicas = {
             k: [r.peer_id for r in rs if r.peer_id != self.peer_id] for k, rs in by_stage.items()
@@ -396,27 +398,26 @@ class StagePeer:
         others = [r for r in replicas if r.peer_id != self.peer_id]
         return sorted(others, key=lambda r: -r.step)
 
+    async def _trainer_points(self) -> list:
+        return await self._loop.run_in_executor(None, self.node.trainer_points, self.manifest.run_id)
+
     async def _sync_from_replica(self) -> bool:
-        """Take parameters and optimizer state from a live replica, if there is one (a stage
-        nobody serves keeps its run-seed initialisation). Returns True if state was taken."""
-        replicas = [r.peer_id for r in await self._live_replicas()]
-        return await self.service.take_state(replicas) is not None
+        """Take parameters and optimizer state from a live replica, those at a committed step first
+        (`StepClaims`); a stage nobody serves keeps its run-seed initialisation. True if taken."""
+        replicas = await self._live_replicas()
+        order = self._claims.join_from(replicas, await self._trainer_points()) if replicas else []
+        return await self.service.take_state(order) is not None
 
     async def _resync_if_behind(self) -> bool:
-        """A replica that missed a step (it joined mid-step, or left a commit) catches up when idle."""
+        """A replica that missed a step (it joined mid-step, or left a commit) catches up when
+        idle, to a step an authorized trainer committed (a record's step is only its claim)."""
         runner = self.runner
-        if self.service.in_flight or runner.num_pending or runner.has_gradients:
-            return False
         replicas = await self._live_replicas(self._records)  # refreshed with every heartbeat
-        if replicas and replicas[0].step > runner.step:
-            logger.info(
-                "stage %d is at step %d, a replica at %d: resyncing",
-                self.stage,
-                runner.step,
-                replicas[0].step,
-            )
-            return await self._sync_from_replica()
-        return False
+        behind = replicas and replicas[0].step > runner.step
+        if not behind or self.service.in_flight or runner.num_pending or runner.has_gradients:
+            return False
+        sources = self._claims.resync_from(replicas, runner.step, await self._trainer_points())
+        return bool(sources) and await self.service.take_state(sources) is not None
 
     async def _heartbeats(self) -> None:
         last_check = last_manifest = time.monotonic()

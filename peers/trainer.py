@@ -27,6 +27,7 @@ from hivemind.utils import get_dht_time
 from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
 from swarmtrain.schedule import InFlightWindow, ReadinessRouter, RoundRobinRouter, WindowConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
+from swarmtrain.train.authority import claim_limit, committed_step, read_points
 from swarmtrain.train.data import loss_inputs_of
 from swarmtrain.train.step import StepFailedError, StepResult, TrainerContext, TrainerStep
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
@@ -105,7 +106,7 @@ class Trainer:
             self.close()
             raise
         self.step = 0
-        self.trainer_id = self.node.peer_id[-8:]
+        self.trainer_id = self.node.peer_id  # in full: stage 0 checks its microbatch ids against it
         self.known_step: dict[str, int] = {}
         self._published = None
         self.handler = handler_name(self.manifest.run_id)
@@ -224,7 +225,9 @@ class Trainer:
         return [replicas[k][0] for k in range(self.manifest.num_stages)]
 
     async def _sync_step(self) -> None:
-        """Start from the step the stages' replicas are at (the furthest one)."""
+        """Start from the step the stages' replicas are at: the furthest one, but (a replica's
+        answer is only its claim) no further than one past the furthest step a trainer the run
+        authorizes reported committed, when one did."""
         by_stage = stage_replicas(await self.node.peers_async(self.manifest.run_id))
         steps = [0]
         for stage, records in by_stage.items():
@@ -238,6 +241,12 @@ class Trainer:
                     continue
                 self.known_step[r.peer_id] = reply.step
                 steps.append(reply.step)
+        raw = await asyncio.get_running_loop().run_in_executor(
+            None, self.node.trainer_points, self.manifest.run_id
+        )
+        committed = committed_step(read_points(raw), self.manifest.trainers or None)
+        if committed is not None:
+            steps = [s for s in steps if s <= claim_limit(committed)]
         self.step = max(steps)
 
     def fetch_states(self) -> list[dict[str, torch.Tensor]]:

@@ -1,7 +1,10 @@
 """A live stage peer faced with bad frames: each gets a precise error reply, the sender is
-banned after repeated offences, and the swarm keeps training."""
+banned after repeated offences, and the swarm keeps training. The sender is a peer the run
+lets send them (a member of stage 0, under its own microbatch ids: the run is open, so any
+peer counts as its trainer); an outsider's frame is refused before it is read."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -9,10 +12,11 @@ from hivemind.p2p import PeerID
 
 from swarmtrain.errors import Cause, RemoteError
 from swarmtrain.swarm import NodeConfig, SwarmNode
+from swarmtrain.train.authority import microbatch_id
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.frames import PREFIX, Frame, read_frame
-from swarmtrain.wire.records import BatchConfig
+from swarmtrain.wire.records import BatchConfig, PeerRecord
 from tests.conftest import TINY_GPT
 
 pytestmark = pytest.mark.swarm
@@ -57,9 +61,14 @@ def good_targets():
     return torch.randint(0, 256, (B, T))
 
 
-async def with_client(swarm, fn):
+async def with_client(swarm, fn, *, member: bool = True):
+    """`fn(transport)` from a fresh peer; with `member`, one that announced itself a member of
+    stage 0 (joining), as a new stage peer does before it takes state."""
     node = SwarmNode(NodeConfig(initial_peers=(swarm.address,)))
     try:
+        if member:
+            record = PeerRecord(peer_id=node.peer_id, role="stage", stage=0, state="joining")
+            await node.announce_async("frames", record, ttl_s=300)
         transport = TensorTransport(await node.p2p())
         return await fn(transport)
     finally:
@@ -89,12 +98,26 @@ def test_each_bad_frame_gets_a_precise_error_reply(swarm, case):
     stage, frame, pattern, cause = BAD_FRAMES[case]
 
     async def send(transport):
+        own = dataclasses.replace(frame, mb_id=microbatch_id(transport.peer_id, 0, 0, 0))
         with pytest.raises(RemoteError, match=pattern) as info:
-            await transport.call(swarm.peer_ids[stage], handler_name("frames"), frame, timeout_s=30)
+            await transport.call(swarm.peer_ids[stage], handler_name("frames"), own, timeout_s=30)
         return info.value
 
     error = asyncio.run(with_client(swarm, send))  # a fresh client per case: one strike each
     assert error.retryable is False and error.cause == cause
+
+
+def test_an_outsiders_forward_is_refused_before_it_is_read(swarm):
+    frame = forward(1, torch.randn(B, T, C), good_targets())
+
+    async def send(transport):
+        own = dataclasses.replace(frame, mb_id=microbatch_id(transport.peer_id, 0, 0, 0))
+        with pytest.raises(RemoteError, match="is not a replica of stage 0") as info:
+            await transport.call(swarm.peer_ids[1], handler_name("frames"), own, timeout_s=30)
+        return info.value
+
+    error = asyncio.run(with_client(swarm, send, member=False))
+    assert error.retryable is False and error.cause == Cause.UNAUTHORIZED
 
 
 def test_garbage_bytes_and_oversized_frames_are_refused_before_reading_them(swarm):
@@ -129,6 +152,7 @@ def test_repeat_offender_is_banned_and_the_swarm_keeps_training(swarm):
 
     async def offend(transport):
         peer, name = swarm.peer_ids[1], handler_name("frames")
+        bad.mb_id = good_shape.mb_id = microbatch_id(transport.peer_id, 0, 0, 0)
         for _ in range(3):
             with pytest.raises(RemoteError, match="dtype"):
                 await transport.call(peer, name, bad, timeout_s=30)

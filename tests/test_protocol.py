@@ -330,6 +330,7 @@ def test_malformed_protocol_fields_are_refused_as_bad_frames_and_strike_the_send
             frame = Frame(
                 kind="forward",
                 run_id="protocol",
+                mb_id="trainer:0.0:0",
                 stage=1,
                 step=0,
                 tensors={"x": x, **loss_inputs},

@@ -54,17 +54,25 @@ class CommitParticipant:
         """Error-feedback residuals of the averaging codec, per parameter."""
         self._total: tuple[int, list[torch.Tensor] | None] | None = None
         """(step, the group's gradient total or None for a replica alone) once exchanged."""
+        self._group: tuple[int, int, frozenset[str]] | None = None
+        """(step, attempt, the group) of the last exchange asked of this replica."""
 
     def reset(self) -> None:
         """The replica's state was replaced (taken from another replica): forget the step."""
         self.inbox = GradientInbox()
         self.feedback = ErrorFeedback()
         self._total = None
+        self._group = None
 
     @property
     def exchanged(self) -> bool:
         """This step's gradients are in the group's total: leaving now loses nothing."""
         return self._total is not None and self._total[0] == self.ctx.runner.step
+
+    def exchange_group(self, step: int, attempt: int) -> frozenset[str] | None:
+        """The group the exchange of `step`'s round `attempt` named, None until it was asked."""
+        group = self._group
+        return group[2] if group is not None and group[:2] == (step, attempt) else None
 
     def _done(self, step: int, meta: dict | None = None) -> Frame:
         ctx = self.ctx
@@ -95,6 +103,7 @@ class CommitParticipant:
         ctx = self.ctx
         if ctx.peer_id not in request.group:
             raise BadFrameError("an exchange must name a group with this replica in it")
+        self._group = (step, request.attempt, frozenset(request.group))
         self._total = None
         await ctx.scheduler.call(
             lambda: ctx.runner.fold(step, fresh=set(request.fresh), take=list(request.take))

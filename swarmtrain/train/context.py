@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from swarmtrain.compress.policy import resolve_codec
 from swarmtrain.schedule import ReadinessRouter
 from swarmtrain.schedule.runtime import ComputeScheduler
+from swarmtrain.train.authority import RunAuthority
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.records import CompressionConfig
@@ -45,6 +46,8 @@ class StageContext:
     """Other serving replicas of a stage, as this replica sees them now."""
     refresh: Callable[[float], Awaitable[None]]
     """Wait this many seconds, then read the swarm's replicas again."""
+    authority: RunAuthority
+    """Who the run authorizes to send this replica what (its trainers, its stages' members)."""
     link_bandwidth: Callable[[str], float | None] = lambda peer: None
     """Measured bytes/s to a peer (None: unknown), for 'auto' codecs."""
     is_draining: Callable[[], bool] = lambda: False

@@ -3,10 +3,13 @@
 `InProcessSwarm` builds every replica of every stage of a run as the stage peers do (the
 stage module from the run seed, a `StageRunner`, a `ComputeScheduler` thread, a router) and
 serves each with `service.StageService` over a `transport.memory.MemoryNetwork`; a trainer
-drives steps with `step.TrainerStep`. Membership is exact (no DHT): a killed replica is out
-of every view at once. Faults are the network's (`swarm.network`: lost replies, delays,
-duplicates, held frames, kills) plus `kill_on_task`, which kills a replica as its N-th task
-of a kind starts, the way `swarmtrain join --fault` does in a real swarm.
+drives steps with `step.TrainerStep`. Routing is exact (no DHT): a killed replica is out of
+every route at once. The run authorizes one trainer, `TRAINER`; the replicas' authorities
+(`authority.RunAuthority`) see the membership as of the last `refresh_members`, so a replica
+that `join`s is known to the others one refresh later, as a new peer's record in a DHT is.
+Faults are the network's (`swarm.network`: lost replies, delays, duplicates, held frames,
+kills) plus `kill_on_task`, which kills a replica as its N-th task of a kind starts, the way
+`swarmtrain join --fault` does in a real swarm.
 
 It runs on the caller's event loop: `async with InProcessSwarm(...) as swarm: await swarm.step(...)`.
 """
@@ -22,6 +25,7 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_stage
 from swarmtrain.schedule import ReadinessQueue, ReadinessRouter, RoundRobinRouter, StaticQueue, Task
 from swarmtrain.schedule.runtime import ComputeScheduler
+from swarmtrain.train.authority import RunAuthority
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.service import StageService
 from swarmtrain.train.stage_runner import StageRunner
@@ -29,6 +33,8 @@ from swarmtrain.train.step import Microbatch, StepResult, TrainerContext, Traine
 from swarmtrain.transport.memory import MemoryNetwork
 from swarmtrain.wire.records import RunManifest
 
+TRAINER = "trainer"
+"""The peer id of the swarm's trainer, the one the run authorizes."""
 IN_FLIGHT_BUDGET = 8
 """Activations a replica may hold at once (a real peer derives this from its free memory)."""
 
@@ -91,10 +97,13 @@ class InProcessSwarm:
         self._loop: asyncio.AbstractEventLoop | None = None
         static = m.schedule == "static"
         self.router = RoundRobinRouter() if static else ReadinessRouter()
-        self.trainer = self.network.transport("trainer")
+        self.trainer = self.network.transport(TRAINER)
+        self.members: dict[str, int] = {}
+        """Replica -> its stage, as the authorities see the membership (see the module docstring)."""
         for k, count in enumerate(config.replicas):
             for j in range(count):
                 self._add(k, f"s{k}r{j}")
+        self.members = self._membership()
 
     def _add(self, stage: int, name: str) -> None:
         m = self.manifest
@@ -124,11 +133,34 @@ class InProcessSwarm:
             compression=m.compression,
             replicas=lambda k: [p for p in self.live(k) if p != name],
             refresh=asyncio.sleep,
+            authority=RunAuthority(
+                trainers=lambda: frozenset({TRAINER}),
+                stage_of=lambda peer: self.members.get(peer),
+                refresh=self.refresh_members,
+            ),
         )
         service = StageService(ctx)
         self.replicas[name] = Replica(
             name=name, stage=stage, runner=runner, scheduler=scheduler, service=service
         )
+
+    def _membership(self) -> dict[str, int]:
+        return {n: r.stage for n, r in self.replicas.items() if n not in self.dead}
+
+    async def refresh_members(self) -> None:
+        """The authorities' view of the membership catches up with the swarm."""
+        self.members = self._membership()
+
+    async def join(self, stage: int) -> Replica:
+        """A new replica of `stage` joins (between steps): it serves, and takes its parameters
+        and optimizer state from a live replica of its stage, as a stage peer does."""
+        sources = self.live(stage)
+        name = f"s{stage}r{sum(r.stage == stage for r in self.replicas.values())}"
+        self._add(stage, name)
+        service = self.replicas[name].service
+        await service.ctx.transport.serve(service.ctx.handler, service.handle)
+        await service.take_state(sources)
+        return self.replicas[name]
 
     def live(self, stage: int) -> list[str]:
         """The replicas of `stage` still alive."""
@@ -184,7 +216,7 @@ class InProcessSwarm:
         cfg = self.config
         return TrainerContext(
             run_id=self.manifest.run_id,
-            trainer_id="trainer",
+            trainer_id=TRAINER,
             num_stages=self.manifest.num_stages,
             static=self.manifest.schedule == "static",
             router=self.router,

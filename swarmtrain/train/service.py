@@ -6,9 +6,12 @@
 - 'step' -> 'step_done' (`commit.CommitParticipant`), 'grads' -> 'result' (the exchange);
 - 'state' -> 'state_data': parameters and optimizer state, for a joining or lagging replica
   (`take_state` is the other side).
-A frame for another run or a stage that does not exist strikes the caller; a malformed
-request is refused as BAD_FRAME and strikes it; a failure of this replica or of the pipeline
-after it is answered with its cause, so the caller can replay elsewhere.
+Before any of that (but 'ping'), the caller must be one the run authorizes for the request
+(`authority`: its trainers, the replicas of this stage or of the one before): anyone else is
+refused as UNAUTHORIZED, struck, and leaves no trace. A frame for another run or a stage that
+does not exist strikes the caller; a malformed request is refused as BAD_FRAME and strikes
+it; a failure of this replica or of the pipeline after it is answered with its cause, so the
+caller can replay elsewhere.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from __future__ import annotations
 import logging
 
 from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
+from swarmtrain.train.authority import Refusal
 from swarmtrain.train.commit import CommitParticipant
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.serving import ForwardServer, ServeCounters
 from swarmtrain.wire.frames import Frame, error_frame
-from swarmtrain.wire.messages import PongMeta, Readiness
+from swarmtrain.wire.messages import GradsMeta, PongMeta, Readiness
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,11 @@ class StageService:
                 Cause.WRONG_STAGE if exists else Cause.BAD_FRAME,
             )
         try:
+            refused = await self._authorize(frame, caller)
+            if refused is not None:
+                ctx.transport.strike(caller, refused.reason)
+                message = f"stage {ctx.stage} refused {_what(frame)}: {refused.reason}"
+                return self._error(message, Cause.UNAUTHORIZED, mb_id=frame.mb_id)
             if frame.kind == "forward":
                 return await self._forward(frame, caller)
             if frame.kind == "step":
@@ -79,8 +88,8 @@ class StageService:
                 return Frame(kind="state_data", run_id=ctx.run_id, stage=ctx.stage, step=step, tensors=state)
         except BadFrameError as e:
             ctx.transport.strike(caller, str(e))
-            what = f"microbatch {frame.mb_id}" if frame.kind == "forward" else f"a {frame.kind!r} frame"
-            return self._error(f"stage {ctx.stage} rejected {what}: {e}", Cause.BAD_FRAME, mb_id=frame.mb_id)
+            message = f"stage {ctx.stage} rejected {_what(frame)}: {e}"
+            return self._error(message, Cause.BAD_FRAME, mb_id=frame.mb_id)
         except RemoteError as e:
             message = str(e) if frame.kind == "forward" else f"stage {ctx.stage}: {e}"
             return self._error(message, e.cause, retryable=e.retryable, mb_id=frame.mb_id)
@@ -89,6 +98,15 @@ class StageService:
                 f"stage {ctx.stage + 1} unreachable: {e}", Cause.UNREACHABLE, mb_id=frame.mb_id
             )
         return self._error(f"stage peers do not take {frame.kind!r} frames", Cause.BAD_FRAME)
+
+    async def _authorize(self, frame: Frame, caller: str) -> Refusal | None:
+        """Why the run does not let `caller` make this request, None if it does."""
+        group = None
+        if frame.kind == "grads":
+            group = self.commit.exchange_group(frame.step, GradsMeta.from_meta(frame.meta).attempt)
+        return await self.ctx.authority.check(
+            frame.kind, caller, stage=self.ctx.stage, mb_id=frame.mb_id, group=group
+        )
 
     async def take_state(self, replicas: list[str]) -> int | None:
         """Download parameters and optimizer state from the first of `replicas` that answers
@@ -121,3 +139,7 @@ class StageService:
             raise
         finally:
             self.in_flight -= 1
+
+
+def _what(frame: Frame) -> str:
+    return f"microbatch {frame.mb_id}" if frame.kind == "forward" else f"a {frame.kind!r} frame"

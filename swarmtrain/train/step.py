@@ -31,6 +31,7 @@ import torch
 from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError, SwarmError
 from swarmtrain.schedule import CommitAction, ReadinessRouter, ReplicaReport, StepLedger, decide_commit
 from swarmtrain.schedule.static import assign
+from swarmtrain.train.authority import microbatch_id
 from swarmtrain.train.hop import Hop, HopContext, HopFailedError, HopFailure
 from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.frames import Frame
@@ -100,7 +101,8 @@ class TrainerContext:
 
     run_id: str
     trainer_id: str
-    """Short id that makes this trainer's microbatch ids unique."""
+    """The trainer's peer id: its microbatch ids carry it (`authority.microbatch_id`), and stage 0
+    serves a microbatch only to the trainer its id names."""
     num_stages: int
     static: bool
     """The run's schedule is the static baseline (fixed round-robin routes)."""
@@ -133,7 +135,7 @@ class TrainerStep:
         self.step = step
         self.microbatches = microbatches
         epoch = next(_epochs)
-        self.ids = [f"{ctx.trainer_id}:{step}.{epoch}:{n}" for n in range(len(microbatches))]
+        self.ids = [microbatch_id(ctx.trainer_id, step, epoch, n) for n in range(len(microbatches))]
         self.ledger = StepLedger(issued=tuple(self.ids))
         self.timeouts = 0
         self.digests: dict[int, dict[str, str]] = {}
