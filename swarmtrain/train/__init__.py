@@ -9,6 +9,7 @@ Read in this order to follow a microbatch from the trainer to the last stage and
 - `commit`: `CommitParticipant`, a replica's side of prepare, exchange and apply.
 - `context`: `StageContext`, all the serving side asks of the process around it.
 Beside them: `stage_runner` (a stage's compute and optimizer state, no networking),
+`bounds` (running norm bounds that refuse finite but absurd tensors),
 `averaging` (exact gradient sums among replicas), `placement` (stage choice at join and
 rebalancing, from the planner), `data`, `optim`, `reference` (single-process training, the
 parity baseline) and `inprocess` (a whole swarm in one process over an in-memory network).

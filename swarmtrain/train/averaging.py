@@ -18,35 +18,54 @@ import asyncio
 
 import torch
 
-from swarmtrain.errors import BadFrameError, RemoteError
+from swarmtrain.errors import BadFrameError, Cause, RemoteError
+
+Key = tuple[int, int]
+"""(step, attempt): one try at a step's exchange."""
 
 
 class GradientInbox:
-    """Gradients received from other replicas, by (step, sender), until the step is summed."""
+    """Gradients received from other replicas, by (key, sender), until the step is summed."""
 
     def __init__(self):
-        self._received: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._received: dict[tuple[Key, str], list[torch.Tensor]] = {}
+        self._refused: dict[tuple[Key, str], str] = {}
+        """(key, sender) -> why its gradients were refused."""
         self._arrived = asyncio.Condition()
 
-    async def put(self, step: int, sender: str, grads: list[torch.Tensor], like: list[torch.Tensor]) -> None:
+    async def refuse(self, step: Key, sender: str, reason: str) -> None:
+        """`sender`'s gradients of `step` were refused: a `take` of `step` that needs them fails."""
+        async with self._arrived:
+            self._refused[(step, sender)] = reason
+            self._arrived.notify_all()
+
+    async def put(self, step: Key, sender: str, grads: list[torch.Tensor], like: list[torch.Tensor]) -> None:
         """Store `sender`'s gradients of `step`; BadFrameError unless they match `like`'s shapes."""
-        if len(grads) != len(like) or any(
-            g.shape != p.shape or g.dtype != p.dtype for g, p in zip(grads, like)
-        ):
-            raise BadFrameError(f"gradients from {sender[-8:]} do not match this stage's parameters")
+        check_like(sender, grads, like)
         async with self._arrived:
             self._received[(step, sender)] = grads
             self._arrived.notify_all()
 
-    async def take(self, step: int, senders: list[str], timeout_s: float) -> dict[str, list[torch.Tensor]]:
-        """Wait for the gradients of `step` from every one of `senders`; RemoteError (retryable) on timeout."""
+    async def take(self, step: Key, senders: list[str], timeout_s: float) -> dict[str, list[torch.Tensor]]:
+        """Wait for the gradients of `step` from every one of `senders`; RemoteError (retryable)
+        on timeout, or at once when one of them had its gradients of this step refused."""
+
+        def refused() -> list[str]:
+            return [f"{s[-8:]} ({why})" for s in senders if (why := self._refused.get((step, s)))]
 
         def ready() -> bool:
-            return all((step, s) in self._received for s in senders)
+            return all((step, s) in self._received for s in senders) or bool(refused())
 
         async with self._arrived:
             try:
                 await asyncio.wait_for(self._arrived.wait_for(ready), timeout_s)
+                if refused():
+                    raise RemoteError(
+                        f"this replica refused the gradients of step {step[0]} from replica(s) "
+                        f"{', '.join(refused())}: plan the commit again",
+                        cause=Cause.REFUSED,
+                        retryable=True,
+                    )
             except asyncio.TimeoutError:
                 missing = [s[-8:] for s in senders if (step, s) not in self._received]
                 raise RemoteError(
@@ -56,7 +75,15 @@ class GradientInbox:
             out = {s: self._received[(step, s)] for s in senders}
             for key in [k for k in self._received if k[0] <= step]:
                 del self._received[key]
+            for key in [k for k in self._refused if k[0] <= step]:
+                del self._refused[key]
             return out
+
+
+def check_like(sender: str, grads: list[torch.Tensor], like: list[torch.Tensor]) -> None:
+    """BadFrameError unless `sender`'s `grads` match `like`'s shapes and dtypes, in order."""
+    if len(grads) != len(like) or any(g.shape != p.shape or g.dtype != p.dtype for g, p in zip(grads, like)):
+        raise BadFrameError(f"gradients from {sender[-8:]} do not match this stage's parameters")
 
 
 def group_sum(

@@ -9,6 +9,10 @@ The trainer drives every stage's replicas through the commit together (`step.Tra
    in the held copies the plan gives it, and swaps its gradient sum with the other replicas
    of its stage (`averaging`). The group's total is kept aside, not yet applied: if a replica
    dies now, the trainer plans again and nothing is double counted.
+   Values: a received sum must fit this stage's parameters and its norm bound
+   (`bounds.exchange`), or it is refused, the sender struck, and this replica's exchange
+   fails at once (retryable: the trainer plans again). A group total that the optimizer
+   could not square in fp32 refuses the commit (REFUSED), before any stage applies.
 3. apply (only once every stage has exchanged): write the total, step the optimizer. Every
    replica adds the same tensors in the same order, so replicas stay bit-identical; with
    `digest` the reply carries a hash of the parameters to prove it.
@@ -24,7 +28,8 @@ import torch
 from swarmtrain.compress.exchange import compress_for_exchange
 from swarmtrain.compress.feedback import ErrorFeedback
 from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
-from swarmtrain.train.averaging import GradientInbox, group_sum
+from swarmtrain.train.averaging import GradientInbox, check_like, group_sum
+from swarmtrain.train.bounds import SQUARE_SAFE, admit_frame, tensor_norm
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.serving import ReplayCache
 from swarmtrain.wire.frames import Frame
@@ -110,6 +115,13 @@ class CommitParticipant:
         )
         others = [q for q in request.group if q != ctx.peer_id]
         total = await self._exchange(step, request.attempt, others) if others else None
+        norm, _ = await ctx.scheduler.call(tensor_norm, ctx.runner.grads() if total is None else total)
+        if not norm < SQUARE_SAFE:  # NaN fails too
+            raise RemoteError(
+                f"the gradient total of step {step} has norm {norm:.3g}, beyond what the "
+                f"optimizer can square in fp32 ({SQUARE_SAFE:.3g}): refused to commit",
+                cause=Cause.REFUSED,
+            )
         self._total = (step, total)
         return self._done(ctx.runner.step)
 
@@ -134,6 +146,13 @@ class CommitParticipant:
     async def _exchange(self, step: int, attempt: int, others: list[str]) -> list[torch.Tensor]:
         """Send this replica's gradient sum to `others`, take theirs; returns the group's total."""
         ctx = self.ctx
+        banned = [q[-8:] for q in others if ctx.transport.is_banned(q)]
+        if banned:  # its gradients would be refused unread: do not wait for them
+            raise RemoteError(
+                f"this replica bans replica(s) {', '.join(banned)} of its group: plan the commit again",
+                cause=Cause.REFUSED,
+                retryable=True,
+            )
         grads = ctx.runner.grads()
         codec = ctx.codec_for("averaging", others[0], sum(g.nbytes for g in grads))
         feedback = self.feedback if ctx.compression.error_feedback else None
@@ -152,6 +171,8 @@ class CommitParticipant:
         results = await asyncio.gather(
             *sends, self.inbox.take((step, attempt), others, EXCHANGE_TIMEOUT_S), return_exceptions=True
         )
+        if isinstance(results[-1], RemoteError) and results[-1].cause == Cause.REFUSED:
+            raise results[-1]  # this replica refused a contribution: say so, not "unreachable"
         for result in results:
             if isinstance(result, (RemoteError, PeerUnreachableError, BadFrameError)):
                 raise RemoteError(f"gradient exchange failed: {result}", cause=Cause.UNREACHABLE)
@@ -170,5 +191,13 @@ class CommitParticipant:
         grads = [frame.tensors.get(str(i)) for i in range(len(frame.tensors))]
         if any(g is None for g in grads):
             raise BadFrameError("a grads frame names its tensors 0..N-1")
-        await self.inbox.put((frame.step, meta.attempt), sender, grads, ctx.runner.grads())
+        key = (frame.step, meta.attempt)
+        try:
+            check_like(sender, grads, ctx.runner.grads())
+            norm = await ctx.scheduler.call(tensor_norm, grads)
+            admit_frame(ctx.runner.bounds.exchange, norm, f"gradients of step {frame.step}")
+        except BadFrameError as e:
+            await self.inbox.refuse(key, sender, str(e))
+            raise
+        await self.inbox.put(key, sender, grads, ctx.runner.grads())
         return Frame(kind="result", run_id=ctx.run_id, stage=ctx.stage, step=frame.step)

@@ -107,6 +107,9 @@ class Hop:
     """Replicas the reply's route must name (the replying stage and every one after it)."""
     expect_grad: bool = False
     """The reply must carry the gradient of the request's input ('grad')."""
+    check: Callable[[Frame], None] = field(default=lambda reply: None)
+    """Raises BadFrameError when the reply's tensors are unusable (the replying replica is
+    struck and the microbatch replayed); runs after the checks above."""
     on_failure: Callable[[HopFailure], None] = field(default=lambda failure: None)
     """Called on each failed attempt, before the replay."""
 
@@ -160,4 +163,5 @@ class Hop:
             )
         if self.expect_grad and "grad" not in reply.tensors:
             raise BadFrameError("the reply lacks the gradient of its input ('grad')")
+        self.check(reply)
         return result

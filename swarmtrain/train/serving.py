@@ -8,6 +8,17 @@ and replayed to another replica from the output this stage still holds), and wai
 call's reply: the gradient of its output. It queues the backward and answers upstream with
 the gradient of its input. The last stage runs forward, loss and backward as one task.
 
+Blame. What is provably the request's fault strikes the caller (BadFrameError): a shape or
+dtype the stage does not expect and input activations out of bounds (`bounds`), both
+checked before any compute; an index out of range of the model's tables is the microbatch's
+(struck at stage 0, whose caller built it; REFUSED further on). Anything else that
+fails in this replica's own compute (out of memory, a device error) is its own failure
+(OWN_FAILURE, retryable elsewhere). A reply from the next stage is that replica's fault when
+its gradient has the wrong shape or is out of bounds: it is struck and the microbatch
+replayed on another. A refusal of this stage's output by the next stage (bad frame, banned)
+is about this replica, not the microbatch, and is answered as OWN_FAILURE too; only REFUSED
+(the microbatch itself, e.g. a non-finite loss) passes upstream as final.
+
 A replay (`ForwardMeta.replay`) is marked, so replicas keep its parameter gradient apart
 until the commit decides which copy counts (`schedule.accounting`). Each stage also keeps,
 until the step commits, the input gradient it returned for each microbatch and the input it
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -30,6 +42,7 @@ import torch
 from swarmtrain.errors import BadFrameError, Cause, RemoteError
 from swarmtrain.schedule import Task
 from swarmtrain.schedule.static import expected_orders
+from swarmtrain.train.bounds import admit_frame, tensor_norm
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.hop import Hop, HopContext, HopFailedError, HopFailure
 from swarmtrain.wire.frames import Frame
@@ -120,13 +133,17 @@ class ForwardServer:
         """Serve one microbatch; the reply carries the loss, the route and the input gradient.
 
         Raises BadFrameError for a malformed request, RemoteError (with its cause) when this
-        stage cannot serve it now or the pipeline after it failed.
+        stage cannot serve it now or the pipeline after it failed (see Blame above).
         """
         ctx = self.ctx
         started = time.monotonic()
         meta = ForwardMeta.from_meta(frame.meta)
         x, loss_inputs = split_tensors(frame)
         ctx.runner.check_inputs(x, loss_inputs)
+        if x.is_floating_point():
+            admit_frame(
+                ctx.runner.bounds.activations, tensor_norm(x), f"input activations of stage {ctx.stage}"
+            )
         self._check_step(frame.step)
         self.cache.at_step(frame.step)
         if meta.slots:
@@ -145,8 +162,19 @@ class ForwardServer:
             deadline = started + meta.budget_s
             try:
                 result, grad_x = await self._compute(frame, meta, x, loss_inputs, deadline)
-            except (RuntimeError, IndexError, ValueError) as e:  # the model refused this input
-                raise BadFrameError(f"forward/backward failed on this input: {e}") from None
+            except RemoteError:
+                raise
+            except IndexError as e:  # only a microbatch's token ids and targets index the model's tables
+                problem = f"an index in microbatch {frame.mb_id} is out of range: {e}"
+                if ctx.stage == 0:  # the caller built it
+                    raise BadFrameError(problem) from None
+                raise RemoteError(problem, cause=Cause.REFUSED) from None  # the caller only relayed it
+            except Exception as e:  # out of memory, a device error: this replica's, not the caller's
+                logger.warning("stage %d failed on microbatch %s: %r", ctx.stage, frame.mb_id, e)
+                raise RemoteError(
+                    f"stage {ctx.stage} failed to compute microbatch {frame.mb_id}: {e!r}",
+                    cause=Cause.OWN_FAILURE,
+                ) from None
             self.cache.put(frame.mb_id, x, result, grad_x)
         tensors, codecs = {}, {}
         if grad_x is not None:
@@ -246,6 +274,7 @@ class ForwardServer:
             replay=meta.replay,
             route_len=ctx.num_stages - nxt,
             expect_grad=True,
+            check=self._grad_check(out),
             on_failure=replayed,
         )
         try:
@@ -255,3 +284,25 @@ class ForwardServer:
                 f"stage {nxt} did not complete microbatch {frame.mb_id} in time ({e})",
                 cause=Cause.UNREACHABLE,
             ) from None
+        except RemoteError as e:
+            if e.cause == Cause.REFUSED:  # the microbatch itself: it would fail anywhere
+                raise
+            raise RemoteError(  # our frame was refused (bad, banned): this replica's failure
+                f"stage {nxt} refused stage {ctx.stage}'s output of microbatch {frame.mb_id}: {e}",
+                cause=Cause.OWN_FAILURE,
+            ) from None
+
+    def _grad_check(self, out: torch.Tensor) -> Callable[[Frame], None]:
+        """The check of a reply's gradient: its replica's fault unless it fits `out` and the bounds."""
+        bound = self.ctx.runner.bounds.grads_in
+
+        def check(reply: Frame) -> None:
+            grad = reply.tensors["grad"]
+            if grad.shape != out.shape or grad.dtype != out.dtype:
+                raise BadFrameError(
+                    f"the reply's gradient is {tuple(grad.shape)} {grad.dtype}, "
+                    f"the output it belongs to was {tuple(out.shape)} {out.dtype}"
+                )
+            admit_frame(bound, tensor_norm(grad), "the reply's gradient")
+
+        return check

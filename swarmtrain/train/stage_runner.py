@@ -11,12 +11,15 @@ The contract with the peer shell around it:
   may hold it already) keeps its gradient apart ("held") until the step's commit decides.
   A microbatch already in the buffer or held adds nothing more: its input gradient is
   recomputed and returned, nothing else.
-- A non-finite loss or input gradient is refused (RemoteError, not retryable) before
-  anything is added, so one bad microbatch cannot poison the step.
+- A non-finite loss or input gradient, or parameter gradients that are non-finite or out
+  of bounds (`bounds.param_grads`), are refused (RemoteError REFUSED, not retryable) before
+  anything is added, so one bad microbatch cannot poison the step. `bounds` also holds the
+  streams the serving side checks incoming tensors against (`train.bounds`).
 - The commit: `report()` says what the buffer and the held copies hold; `fold(step, fresh,
   take)` checks the buffer holds exactly `fresh`, closes the step (later passes add
   nothing) and adds the held copies named in `take`; `apply_step(step, total)` writes the
-  replicas' summed gradients (or keeps the local ones) and steps the optimizer.
+  replicas' summed gradients (or keeps the local ones) and steps the optimizer, refusing a
+  step whose gradients or result would not be finite and leaving the replica as it was.
 All methods run on the caller's thread; the shell calls them from one worker thread.
 """
 
@@ -33,7 +36,8 @@ from torch import Tensor
 from swarmtrain.errors import BadFrameError, Cause, RemoteError
 from swarmtrain.model import StageModule
 from swarmtrain.model.losses import name_mismatch
-from swarmtrain.train.optim import make_optimizer
+from swarmtrain.train.bounds import SQUARE_SAFE, BoundsConfig, StageBounds, tensor_norm
+from swarmtrain.train.optim import StepGuard, make_optimizer
 from swarmtrain.wire.frames import all_finite
 from swarmtrain.wire.records import OptimizerConfig
 
@@ -62,7 +66,14 @@ class TensorSpec:
 class StageRunner:
     """A stage module, its optimizer, and the microbatches in flight through it."""
 
-    def __init__(self, module: StageModule, optimizer: OptimizerConfig, *, microbatch_size: int):
+    def __init__(
+        self,
+        module: StageModule,
+        optimizer: OptimizerConfig,
+        *,
+        microbatch_size: int,
+        bounds: BoundsConfig | None = None,
+    ):
         self.module = module
         self.device = next(module.parameters()).device
         self.named_params = {
@@ -75,6 +86,7 @@ class StageRunner:
         for p in self.params:  # persistent gradient buffers: replicas average them in place
             p.grad = torch.zeros_like(p)
         self.optimizer = make_optimizer(self.params, optimizer)
+        self._guard = StepGuard(self.optimizer)
         shape, dtype = module.input_spec(microbatch_size)
         self.input_spec = TensorSpec(tuple(shape), dtype, microbatch_size)
         self.loss_input_specs = {
@@ -84,6 +96,8 @@ class StageRunner:
         """What each named loss input of a microbatch must look like (every stage checks them)."""
         shape, dtype = module.output_spec(microbatch_size)
         self.output_spec = TensorSpec(tuple(shape), dtype, microbatch_size)
+        self.bounds = StageBounds(bounds)
+        """Running norm bounds of the tensors this replica takes in and computes."""
         self.step = 0
         self.steps_applied = 0
         self._pending: dict[str, tuple[Tensor, Tensor]] = {}
@@ -196,6 +210,13 @@ class StageRunner:
         grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
         grad_x = self._checked(mb_id, grads[0].detach().cpu()) if x.requires_grad else None
         param_grads = grads[len(wrt) - len(self.params) :]
+        norm, numel = tensor_norm([g for g in param_grads if g is not None])
+        refused = self.bounds.param_grads.admit(norm, numel)
+        if refused is not None:
+            raise RemoteError(
+                f"microbatch {mb_id} gives this stage parameter gradients it refuses: {refused}",
+                cause=Cause.REFUSED,
+            )
         if replay:
             self._held[mb_id] = [None if g is None else g.detach().clone() for g in param_grads]
         else:
@@ -264,6 +285,10 @@ class StageRunner:
         own buffer is the total). `grad_scale` multiplies the gradients first (the trainer
         rescales a step that lost microbatches). A repeated call for the step just applied is
         answered without stepping again; another step raises RemoteError (not retryable).
+        Raises RemoteError (REFUSED) when the scaled gradients are not finite or their squares
+        would overflow fp32 (nothing is written), or when the step would leave a parameter or
+        the optimizer state non-finite (parameters and state are restored bit for bit; the
+        gradient buffer then holds the scaled total). The replica stays at `step`.
         """
         if step == self.step - 1 and self.steps_applied > 0 and not self.has_gradients:
             return self.step
@@ -273,6 +298,14 @@ class StageRunner:
             )
         if not self._closed:
             raise RemoteError(f"step {step} was not folded before it was applied", retryable=True)
+        norm, _ = tensor_norm(self.grads() if total is None else total)
+        if not norm * abs(grad_scale) < SQUARE_SAFE:  # NaN fails too
+            raise RemoteError(
+                f"stage refuses to apply step {step}: its summed gradients have norm "
+                f"{norm * abs(grad_scale):.3g}, beyond what the optimizer can square in fp32 "
+                f"({SQUARE_SAFE:.3g}); parameters and optimizer state are unchanged",
+                cause=Cause.REFUSED,
+            )
         with torch.no_grad():
             if total is not None:
                 for p, t in zip(self.params, total):
@@ -280,7 +313,13 @@ class StageRunner:
             if grad_scale != 1.0:
                 for p in self.params:
                     p.grad.mul_(grad_scale)
-        self.optimizer.step()
+        refused = self._guard.step()
+        if refused is not None:
+            raise RemoteError(
+                f"stage refuses to apply step {step}: {refused}; parameters and optimizer state "
+                "are as they were",
+                cause=Cause.REFUSED,
+            )
         self.discard_step()
         self.from_seed = False
         self.step += 1
