@@ -23,7 +23,7 @@ from swarmtrain.peers.launcher import cli_command
 from swarmtrain.swarm import SwarmNode
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.transport import TensorTransport, handler_name
-from swarmtrain.wire.frames import PREFIX, Frame
+from swarmtrain.wire.frames import PREFIX, Frame, encode_frame
 from swarmtrain.wire.messages import Abort, Apply, Exchange, GradsMeta, Prepare
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig, PeerRecord, RunManifest
 from tests.conftest import TINY_GPT, assert_losses_match_reference, reference_losses
@@ -80,9 +80,18 @@ async def as_outsider(swarm, fn):
 
 
 async def refused(transport, peer: str, frame: Frame, match: str) -> RemoteError:
-    with pytest.raises(RemoteError, match=match) as info:
+    """Send `frame`; it must be refused as unauthorized (saying `match`), or, once the outsider
+    has its three strikes there, because the peer bans it."""
+    with pytest.raises(RemoteError, match=f"{match}|bans you for another") as info:
         await transport.call(peer, handler_name(RUN), frame, timeout_s=30)
     return info.value
+
+
+def assert_refused_then_banned(errors: list[RemoteError], strikes: int = 3) -> None:
+    causes = [e.cause for e in errors]
+    assert causes[:strikes] == [Cause.UNAUTHORIZED] * strikes, errors
+    assert set(causes[strikes:]) <= {Cause.UNAUTHORIZED, Cause.BANNED}, errors
+    assert all(not e.retryable for e in errors), errors
 
 
 def step_frame(stage: int, meta: dict) -> Frame:
@@ -90,7 +99,7 @@ def step_frame(stage: int, meta: dict) -> Frame:
 
 
 def test_an_outsiders_commit_phases_exchange_and_state_download_are_refused(swarm):
-    async def attack(node, transport):
+    async def commit_phases(node, transport):
         errors = []
         for stage in (0, 1):
             peer = stage_peers(swarm, stage)[0]
@@ -100,16 +109,27 @@ def test_an_outsiders_commit_phases_exchange_and_state_download_are_refused(swar
                 Apply(grad_scale=1.0),
                 Abort(),
             ):
-                errors.append(await refused(transport, peer, step_frame(stage, phase.to_meta()), "authoriz"))
-        poison = {str(i): torch.full((4,), 1e30) for i in range(3)}
-        grads = Frame(kind="grads", run_id=RUN, stage=1, step=0, tensors=poison, meta=GradsMeta().to_meta())
-        errors.append(await refused(transport, stage_peers(swarm, 1)[1], grads, "replica"))
-        state = Frame(kind="state", run_id=RUN, stage=1, step=0)
-        errors.append(await refused(transport, stage_peers(swarm, 1)[0], state, "stage 1|replica|member"))
+                frame = step_frame(stage, phase.to_meta())
+                errors.append(
+                    await refused(transport, peer, frame, "not a trainer this run's owner authorized")
+                )
         return errors
 
-    errors = asyncio.run(as_outsider(swarm, attack))
-    assert all(e.cause == Cause.UNAUTHORIZED and not e.retryable for e in errors), errors
+    async def poison_and_read(node, transport):
+        poison = {str(i): torch.full((4,), 1e30) for i in range(3)}
+        grads = Frame(kind="grads", run_id=RUN, stage=1, step=0, tensors=poison, meta=GradsMeta().to_meta())
+        state = Frame(kind="state", run_id=RUN, stage=1, step=0)
+        return [
+            await refused(transport, stage_peers(swarm, 1)[1], grads, "only its replicas exchange gradients"),
+            await refused(transport, stage_peers(swarm, 1)[0], state, "only they may download its state"),
+        ]
+
+    errors = asyncio.run(as_outsider(swarm, commit_phases))
+    assert_refused_then_banned(errors[:4])  # stage 0: three strikes, then banned
+    assert_refused_then_banned(errors[4:])  # stage 1 likewise
+    assert Cause.BANNED in {e.cause for e in errors}
+    errors = asyncio.run(as_outsider(swarm, poison_and_read))  # a fresh outsider
+    assert [e.cause for e in errors] == [Cause.UNAUTHORIZED] * 2, errors
 
 
 def test_forward_frames_under_the_trainers_ids_are_refused(swarm):
@@ -127,7 +147,9 @@ def test_forward_frames_under_the_trainers_ids_are_refused(swarm):
                 tensors={"x": x, "targets": targets},
                 meta={"loss_scale": 0.5, "budget_s": 20.0},
             )
-            errors.append(await refused(transport, stage_peers(swarm, 0)[0], frame, "authoriz|owner|trainer"))
+            errors.append(
+                await refused(transport, stage_peers(swarm, 0)[0], frame, "only they may send microbatches")
+            )
         downstream = Frame(
             kind="forward",
             run_id=RUN,
@@ -137,11 +159,14 @@ def test_forward_frames_under_the_trainers_ids_are_refused(swarm):
             tensors={"x": torch.randn(B, T, C), "targets": targets},
             meta={"loss_scale": 0.5, "budget_s": 20.0},
         )
-        errors.append(await refused(transport, stage_peers(swarm, 1)[0], downstream, "stage 0|replica"))
+        errors.append(
+            await refused(transport, stage_peers(swarm, 1)[0], downstream, "is not a replica of stage 0")
+        )
         return errors
 
     errors = asyncio.run(as_outsider(swarm, attack))
-    assert all(e.cause == Cause.UNAUTHORIZED for e in errors), errors
+    assert_refused_then_banned(errors[:3])  # stage 0: its three microbatches, then banned
+    assert errors[3].cause == Cause.UNAUTHORIZED, errors  # stage 1 had not struck it yet
 
 
 def test_headers_promising_payloads_that_never_come_hold_no_memory(swarm):
@@ -156,13 +181,19 @@ def test_headers_promising_payloads_that_never_come_hold_no_memory(swarm):
     async def attack(node, transport):
         from hivemind.p2p import PeerID
 
+        big = Frame(kind="forward", run_id=RUN, mb_id=f"{node.peer_id}:0.0:0", stage=1, step=0,
+                    tensors={"x": torch.zeros(50 * 2**20)})  # fmt: skip
+        prefix, header = encode_frame(big)[:2]
+        promise = bytes(prefix) + bytes(header)
+        assert PREFIX.unpack(promise[: PREFIX.size])[2] >= 200 * 2**20
+        del big
         before = rss_mib()
         streams = []
         for _ in range(6):
             _, reader, writer = await transport.p2p.call_binary_stream_handler(
                 PeerID.from_base58(victim), handler_name(RUN)
             )
-            writer.write(PREFIX.pack(b"STF1", 10, 200 * 2**20) + b"{}" + bytes(8))
+            writer.write(promise)  # a valid prefix and header; the 200 MiB never follow
             await writer.drain()
             streams.append(writer)
         # The peer still answers others at once, and holds no promised memory.
