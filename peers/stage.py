@@ -123,8 +123,7 @@ class StagePeer:
         self._since = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._beat_soon: asyncio.Task | None = None
-        self._resync: asyncio.Task | None = None
+        self._beat_soon = self._resync = None  # the tasks of heartbeat_soon and resync_soon
         self.capacity: dict = {}
         self._rebalancer = None
         self._memory: list[tuple[int, int]] = []
@@ -206,7 +205,10 @@ class StagePeer:
             self._rebalancer = StageRebalancer(manifest, patience=cfg.rebalance_patience)
         await self._heartbeat()  # a member of its stage (joining): its replicas hand it their state
         await self._sync_from_replica()
-        await self._measure_links()
+        records = await self.node.peers_async(self.manifest.run_id)  # the planner's network term:
+        others = [r.peer_id for r in records if r.role == "stage" and r.peer_id != self.peer_id][:3]
+        if others:  # RTT and bandwidth to a few stage peers
+            self.capacity.update(await link_figures(self.transport, others, self.manifest.run_id))
         await self.refresh_replicas()
         # the service is replaced when the peer moves: look it up for every request
         await self.transport.serve(handler_name(manifest.run_id), lambda f, p: self.service.handle(f, p))
@@ -398,14 +400,12 @@ class StagePeer:
         others = [r for r in replicas if r.peer_id != self.peer_id]
         return sorted(others, key=lambda r: -r.step)
 
-    async def _trainer_points(self) -> list:
-        return await self._loop.run_in_executor(None, self.node.trainer_points, self.manifest.run_id)
-
     async def _sync_from_replica(self) -> bool:
         """Take parameters and optimizer state from a live replica, those at a committed step first
         (`StepClaims`); a stage nobody serves keeps its run-seed initialisation. True if taken."""
         replicas = await self._live_replicas()
-        order = self._claims.join_from(replicas, await self._trainer_points()) if replicas else []
+        points = await self.node.trainer_points_async(self.manifest.run_id)
+        order = self._claims.join_from(replicas, points) if replicas else []
         return await self.service.take_state(order) is not None
 
     async def _resync_if_behind(self) -> bool:
@@ -416,7 +416,8 @@ class StagePeer:
         behind = replicas and replicas[0].step > runner.step
         if not behind or self.service.in_flight or runner.num_pending or runner.has_gradients:
             return False
-        sources = self._claims.resync_from(replicas, runner.step, await self._trainer_points())
+        points = await self.node.trainer_points_async(self.manifest.run_id)
+        sources = self._claims.resync_from(replicas, runner.step, points)
         return bool(sources) and await self.service.take_state(sources) is not None
 
     async def _heartbeats(self) -> None:
@@ -447,12 +448,3 @@ class StagePeer:
                 await asyncio.wait_for(self._resync_if_behind(), timeout=10 * self.config.ttl_s)
             except Exception as e:  # a DHT hiccup must not stop serving
                 logger.warning("heartbeat failed: %r", e)
-
-    # serving
-
-    async def _measure_links(self, max_peers: int = 3) -> None:
-        """RTT and bandwidth to a few stage peers: the planner's network term."""
-        records = await self.node.peers_async(self.manifest.run_id)
-        others = [r.peer_id for r in records if r.role == "stage" and r.peer_id != self.peer_id][:max_peers]
-        if others:
-            self.capacity.update(await link_figures(self.transport, others, self.manifest.run_id))

@@ -79,7 +79,9 @@ def test_an_upstream_replica_sending_absurd_activations_is_struck_and_the_microb
     assert results[0].replay_causes == {"downstream failure": 1}
 
 
-def test_an_outsider_sending_absurd_activations_is_refused_and_struck_and_training_goes_on():
+def test_a_self_announced_member_sending_absurd_activations_is_refused_and_struck_and_training_goes_on():
+    # In an open swarm anyone may announce itself as a replica of stage 0 and so pass the
+    # membership rule: the bounds still refuse what it sends.
     config = InProcessConfig(manifest=manifest(), replicas=(1, 1))
     refusals = []
 
@@ -88,11 +90,12 @@ def test_an_outsider_sending_absurd_activations_is_refused_and_struck_and_traini
             return
         strikes = record_strikes(swarm)
         outsider = swarm.network.transport("outsider")
+        swarm.members["outsider"] = 0
         x, loss_inputs = loss_inputs_of(next(iter(batches())))
         frame = Frame(
             kind="forward",
             run_id="protocol",
-            mb_id="outsider:1.0:0",
+            mb_id="trainer:1.0:0",
             stage=1,
             step=1,
             tensors={"x": torch.full((*x.shape, TINY_GPT["d_model"]), STRAIN), **loss_inputs},

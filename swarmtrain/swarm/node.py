@@ -362,12 +362,19 @@ class SwarmNode:
         keyed by this peer; returns a future (fire and forget, or wait on it before leaving)."""
         return self._put(trainers_key(run_id), point.to_dict(), get_dht_time() + ttl_s, wait=False)
 
-    def trainer_points(self, run_id: str) -> list[dict]:
-        """The latest point each live trainer published (raw dicts; the reader validates them)."""
-        found = self.dht.get(trainers_key(run_id), latest=True)
+    @staticmethod
+    def _points(found) -> list[dict]:
         if found is None or not isinstance(found.value, dict):
             return []
         return [open_record(item.value) for item in found.value.values() if isinstance(item.value, dict)]
+
+    def trainer_points(self, run_id: str) -> list[dict]:
+        """The latest point each live trainer published (raw dicts, each signed by the trainer it
+        names: the DHT checked that; the reader validates the rest)."""
+        return self._points(self.dht.get(trainers_key(run_id), latest=True))
+
+    async def trainer_points_async(self, run_id: str) -> list[dict]:
+        return self._points(await self.dht.get(trainers_key(run_id), latest=True, return_future=True))
 
     async def peers_async(self, run_id: str) -> list[PeerRecord]:
         return self._parse_peers(await self.dht.get(peers_key(run_id), latest=True, return_future=True))

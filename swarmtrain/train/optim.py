@@ -60,13 +60,15 @@ class StepGuard:
         ]:
             self._saved = [torch.empty_like(t) for t in live]
         with torch.no_grad():
-            for saved, t in zip(self._saved, live):
-                saved.copy_(t)
+            torch._foreach_copy_(
+                self._saved, live
+            )  # one call for all tensors: the copy is per-tensor overhead on small stages
         before = {p: dict(optimizer.state[p]) for p in params if p in optimizer.state}
         optimizer.step()
         _, after = self._live()
         with torch.no_grad():
-            total = float(sum(t.sum(dtype=torch.float32) for t in after if t.is_floating_point()))
+            sums = [t.sum(dtype=torch.float32) for t in after if t.is_floating_point()]
+            total = float(torch.stack(sums).sum()) if sums else 0.0
         if math.isfinite(total):
             return None
         saved = iter(self._saved)
