@@ -629,6 +629,7 @@ def demo(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print a machine-readable summary (JSON) on stdout at the end.")
     ] = False,
+    swarm_key: SwarmKeyPath = None,
 ) -> None:
     """Run a whole swarm on this machine: a coordinator, N stage peers and a trainer,
     each its own process on 127.0.0.1, training tiny-gpt on Python's standard library."""
@@ -645,6 +646,7 @@ def demo(
             port=port,
             heterogeneous=heterogeneous,
             compress=compress,
+            swarm_key=None if swarm_key is None else str(swarm_key.absolute()),
         )
         summary = run_demo(config, quiet=as_json)
         if as_json:

@@ -44,8 +44,14 @@ class DemoConfig:
     """Start peers of unequal speed (HETEROGENEOUS_SLOWDOWNS) and plan the stages for them."""
     compress: str = "none"
     """One codec for activations, their gradients and the replicas' gradient sums."""
+    swarm_key: str | None = None
+    """A private swarm's key file every process of the demo gets; None: an open swarm."""
 
     def __post_init__(self):
+        if self.swarm_key is not None:
+            from swarmtrain.trust.swarmkey import load_swarm_key
+
+            load_swarm_key(self.swarm_key)  # a bad key file fails here, before any process starts
         if "," in self.compress:
             raise ConfigError(
                 f"--compress takes one codec, got {self.compress!r}: for a codec per boundary, start the swarm "
@@ -118,6 +124,7 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         compression=config.compression(),
         coordinator_port=config.port,
         dashboard_port=0,
+        swarm_key=config.swarm_key,
     )
     num_peers = sum(len(row["peer_slowdowns"]) for row in layout) if layout else config.num_stages
     started = time.monotonic()
@@ -133,7 +140,10 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         if swarm.dashboard_url:
             console.print(f"dashboard: {swarm.dashboard_url}  (open it in a browser while the demo runs)")
         console.print("join it from another terminal with:")
-        console.print(f"  swarmtrain join --initial-peers {swarm.address}", soft_wrap=True, highlight=False)
+        key = "" if config.swarm_key is None else f" --swarm-key {config.swarm_key}"
+        console.print(
+            f"  swarmtrain join --initial-peers {swarm.address}{key}", soft_wrap=True, highlight=False
+        )
         summary = _train(swarm, config, console, model_config, quiet)
         summary |= _wire_bytes(swarm, console, quiet)
         if layout is not None:
