@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")  # before hivemind is imported anywhere
+# Before hivemind is imported anywhere. CRITICAL: the p2p daemon's own errors reach the user
+# as one explained line (swarm.node._explain_daemon_error), not as its raw log.
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "CRITICAL")
 
 import typer  # noqa: E402
 

@@ -35,6 +35,7 @@ def swarm(tmp_path_factory):
         num_stages=2,
         batch=BATCH,
         log_dir=str(tmp_path_factory.mktemp("s")),
+        num_trainers=len(BAD_FRAMES) + 2,  # a client of its own per case: one strike each
     )
     with LocalSwarm(config) as swarm:
         swarm.peer_ids = [swarm.wait_ready(name) for name in sorted(swarm.procs) if name.startswith("stage")]
@@ -61,10 +62,13 @@ def good_targets():
     return torch.randint(0, 256, (B, T))
 
 
-async def with_client(swarm, fn, *, member: bool = True):
-    """`fn(transport)` from a fresh peer; with `member`, one that announced itself a member of
-    stage 0 (joining), as a new stage peer does before it takes state."""
-    node = SwarmNode(NodeConfig(initial_peers=(swarm.address,)))
+async def with_client(swarm, fn, *, member: bool = True, trainer: int | None = None):
+    """`fn(transport)` from a fresh peer, or as the run's authorized `trainer`-th trainer; with
+    `member`, one that announced itself a member of stage 0 (joining), as a new stage peer does
+    before it takes state: so what it sends to either stage passes authorization and meets the
+    checks of the frame itself."""
+    identity = None if trainer is None else swarm.trainer_identity(trainer)
+    node = SwarmNode(NodeConfig(initial_peers=(swarm.address,), identity_path=identity and str(identity)))
     try:
         if member:
             record = PeerRecord(peer_id=node.peer_id, role="stage", stage=0, state="joining")
@@ -104,7 +108,7 @@ def test_each_bad_frame_gets_a_precise_error_reply(swarm, case):
             await transport.call(swarm.peer_ids[stage], handler_name("frames"), own, timeout_s=30)
         return info.value
 
-    error = asyncio.run(with_client(swarm, send))  # a fresh client per case: one strike each
+    error = asyncio.run(with_client(swarm, send, trainer=1 + list(BAD_FRAMES).index(case)))
     assert error.retryable is False and error.cause == cause
 
 
@@ -160,7 +164,7 @@ def test_repeat_offender_is_banned_and_the_swarm_keeps_training(swarm):
         with pytest.raises(RemoteError, match=r"bans you for another \d+ s"):
             await transport.call(peer, name, good_shape, timeout_s=30)
 
-    asyncio.run(with_client(swarm, offend))
+    asyncio.run(with_client(swarm, offend, trainer=1 + len(BAD_FRAMES)))
 
     with swarm.trainer() as trainer:
         data = TokenBatches(stdlib_text(2**20), seq_len=T, microbatch_size=B, seed=0)
