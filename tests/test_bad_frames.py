@@ -9,13 +9,17 @@ import dataclasses
 import pytest
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
 from swarmtrain.errors import Cause, RemoteError
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.train.authority import microbatch_id
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.transport import TensorTransport, handler_name
+from swarmtrain.trust.identity import Identity
+from swarmtrain.trust.records import sign_record
 from swarmtrain.wire.frames import PREFIX, Frame, read_frame
+from swarmtrain.wire.keys import peers_key
 from swarmtrain.wire.records import BatchConfig, PeerRecord
 from tests.conftest import TINY_GPT
 
@@ -42,7 +46,25 @@ def swarm(tmp_path_factory):
         # A second stage-1 peer with a 1 MiB frame limit, standing by, for the size test.
         small = swarm.spawn_stage(1, extra_args=("--max-frame-mb", "1"))
         swarm.small_limit_peer = swarm.wait_ready(small)
+        announce_trainers_as_members(swarm)
         yield swarm
+
+
+def announce_trainers_as_members(swarm) -> None:
+    """Put a signed record of each authorized trainer as a (joining) member of stage 0 in the
+    DHT, as a new stage peer announces itself: so what the test clients send either stage
+    passes authorization and meets the checks of the frame itself. Stored once, up front, so
+    the stage peers' view holds them all before the first case."""
+    node = SwarmNode(swarm.node_config())
+    try:
+        expires = get_dht_time() + 600
+        for n in range(swarm.config.num_trainers):
+            who = Identity.load(swarm.trainer_identity(n))
+            body = PeerRecord(peer_id=who.peer_id, role="stage", stage=0, state="joining").to_dict()
+            envelope = sign_record(who, peers_key("frames"), body, expires)
+            assert node.dht.store(peers_key("frames"), envelope, expires, subkey=who.peer_id)
+    finally:
+        node.shutdown()
 
 
 def forward(stage: int, x, targets, run_id="frames", **meta) -> Frame:
@@ -63,14 +85,12 @@ def good_targets():
 
 
 async def with_client(swarm, fn, *, member: bool = True, trainer: int | None = None):
-    """`fn(transport)` from a fresh peer, or as the run's authorized `trainer`-th trainer; with
-    `member`, one that announced itself a member of stage 0 (joining), as a new stage peer does
-    before it takes state: so what it sends to either stage passes authorization and meets the
-    checks of the frame itself."""
+    """`fn(transport)` from a fresh peer (with `member`, one that announces itself a member of
+    stage 0), or as the run's `trainer`-th authorized trainer (a member of stage 0 already)."""
     identity = None if trainer is None else swarm.trainer_identity(trainer)
     node = SwarmNode(NodeConfig(initial_peers=(swarm.address,), identity_path=identity and str(identity)))
     try:
-        if member:
+        if member and trainer is None:
             record = PeerRecord(peer_id=node.peer_id, role="stage", stage=0, state="joining")
             await node.announce_async("frames", record, ttl_s=300)
         transport = TensorTransport(await node.p2p())
