@@ -4,6 +4,7 @@ os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 # Before anything imports triton: without a GPU the kernel tests run under Triton's interpreter.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -105,3 +106,35 @@ def assert_replicas_verified(results, *, some_compared: bool = True) -> None:
     ]
     if some_compared:
         assert any(compared), [r.replicas_compared for r in results]
+
+
+@contextlib.asynccontextmanager
+async def p2p_pair():
+    """(server, client): two hivemind P2P daemons on 127.0.0.1, the client connected to the server."""
+    from hivemind.p2p import P2P
+
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+    try:
+        yield server, client
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+def assert_trains_like_the_reference(
+    swarm, batches, *, steps: int, seed: int, optimizer, microbatches_per_step: int
+):
+    """Train `steps` steps on `swarm` (its first trainer) from `batches()` and check the losses
+    against single-process training on the same data; returns the results."""
+    with swarm.trainer() as trainer:
+        results = list(trainer.train(batches(), steps=steps))
+    reference = reference_losses(
+        seed=seed,
+        optimizer=optimizer,
+        batches=batches(),
+        steps=steps,
+        microbatches_per_step=microbatches_per_step,
+    )
+    assert_losses_match_reference(results, reference)
+    return results

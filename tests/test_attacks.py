@@ -26,7 +26,7 @@ from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.frames import PREFIX, Frame, encode_frame
 from swarmtrain.wire.messages import Abort, Apply, Exchange, GradsMeta, Prepare
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig, PeerRecord, RunManifest
-from tests.conftest import TINY_GPT, assert_losses_match_reference, reference_losses
+from tests.conftest import TINY_GPT, assert_trains_like_the_reference
 
 pytestmark = pytest.mark.swarm
 
@@ -237,16 +237,14 @@ def test_a_forged_step_draws_no_resync_and_a_forged_manifest_runs_no_code(swarm,
         assert not (tmp_path / "pwned").exists()
 
         # Training goes on to the losses of an unattacked run, and no replica resynced from the forger.
-        with swarm.trainer() as trainer:
-            results = list(trainer.train(batches(), steps=STEPS))
-        reference = reference_losses(
+        assert_trains_like_the_reference(
+            swarm,
+            batches,
+            steps=STEPS,
             seed=SEED,
             optimizer=OPTIMIZER,
-            batches=batches(),
-            steps=STEPS,
             microbatches_per_step=BATCH.microbatches_per_step,
         )
-        assert_losses_match_reference(results, reference)
         for name in swarm.stage_peers:
             assert "resyncing" not in (swarm.log_dir / f"{name}.log").read_text(), name
     finally:

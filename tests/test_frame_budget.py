@@ -5,7 +5,6 @@ half-sent is a strike, a sender over its budget is refused."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import tracemalloc
 
@@ -18,6 +17,7 @@ from swarmtrain.errors import BadFrameError, Cause, RemoteError
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.transport.budget import PeerBudget
 from swarmtrain.wire.frames import MAGIC, MAX_HEADER_BYTES, PREFIX, Frame, read_frame
+from tests.conftest import p2p_pair
 
 NAME = handler_name("run-1")
 MiB = 2**20
@@ -59,18 +59,6 @@ def test_the_default_budget_holds_four_of_the_largest_frames_and_a_smaller_one_i
 
 
 # real streams
-
-
-@contextlib.asynccontextmanager
-async def p2p_pair():
-    """(server, client): two hivemind P2P daemons on 127.0.0.1, the client connected to the server."""
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
-    try:
-        yield server, client
-    finally:
-        await client.shutdown()
-        await server.shutdown()
 
 
 async def echo(frame: Frame, _peer: str) -> Frame:

@@ -27,7 +27,7 @@ from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.frames import PREFIX, Frame, read_frame
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
-from tests.conftest import TINY_GPT, assert_losses_match_reference, reference_losses
+from tests.conftest import TINY_GPT, assert_trains_like_the_reference
 from tests.fuzz_cases import (
     MICROBATCH_SIZE,
     NUM_STAGES,
@@ -256,15 +256,13 @@ def test_after_the_attack_no_traceback_and_the_swarm_trains_as_without_it(swarm,
     def batches():
         return TokenBatches(stdlib_text(2**20), seq_len=T, microbatch_size=B, seed=SEED)
 
-    with swarm.trainer() as trainer:
-        results = list(trainer.train(batches(), steps=STEPS))
-    reference = reference_losses(
+    results = assert_trains_like_the_reference(
+        swarm,
+        batches,
+        steps=STEPS,
         seed=SEED,
         optimizer=OPTIMIZER,
-        batches=batches(),
-        steps=STEPS,
         microbatches_per_step=BATCH.microbatches_per_step,
     )
     assert [r.step for r in results] == list(range(STEPS))
     assert all(r.replays == 0 and r.dropped == 0 for r in results), results
-    assert_losses_match_reference(results, reference)

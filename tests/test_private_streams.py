@@ -5,7 +5,6 @@ served side reads any frame; a wrong proof is a strike, and repeated ones a ban.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 
 import pytest
@@ -17,23 +16,12 @@ from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.transport.handshake import CHALLENGE, HELLO, MAGIC_BYTES, NONCE_BYTES, TAG_BYTES
 from swarmtrain.trust.swarmkey import SwarmKey
 from swarmtrain.wire.frames import Frame, encode_frame, read_frame
+from tests.conftest import p2p_pair
 
 pytestmark = pytest.mark.swarm
 
 NAME = handler_name("run-1")
 KEY, OTHER_KEY = SwarmKey(secrets.token_bytes(32)), SwarmKey(secrets.token_bytes(32))
-
-
-@contextlib.asynccontextmanager
-async def p2p_pair():
-    """(server, client): two hivemind P2P daemons on 127.0.0.1, the client connected to the server."""
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
-    try:
-        yield server, client
-    finally:
-        await client.shutdown()
-        await server.shutdown()
 
 
 class Doubler:
