@@ -228,3 +228,31 @@ def test_a_private_swarms_records_are_unreadable_and_unwritable_without_its_key(
             outsider.shutdown()
     finally:
         keyed.shutdown()
+
+
+@pytest.mark.swarm
+def test_a_coordinators_address_survives_a_restart(tmp_path):
+    """Same key file, and the port it had last time: the address peers were given still works."""
+    import subprocess
+
+    from swarmtrain.peers.launcher import cli_command
+    from tests.conftest import wait_until
+
+    def start_and_stop() -> str:
+        address_file = tmp_path / "address"
+        address_file.unlink(missing_ok=True)
+        proc = subprocess.Popen(
+            cli_command("coordinator", "--run-id", "same", "--model-config", "n_layer=2,d_model=16,n_head=2",
+                        "--stages", "2", "--address-file", str(address_file)),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            wait_until(address_file.exists, timeout_s=60, what="the coordinator's address")
+            return address_file.read_text().strip()
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+    first = start_and_stop()
+    assert start_and_stop() == first
+    assert first.endswith(Identity.load(data_dir() / "identity" / "coordinator-0.key").peer_id)
