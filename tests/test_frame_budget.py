@@ -88,13 +88,17 @@ async def open_raw(client: P2P, server: P2P):
     return reader, writer
 
 
+POLL_S = 0.01
+"""How often `until` looks again."""
+
+
 async def until(condition, *, what: str, timeout_s: float = 30.0) -> None:
     """Poll `condition` on the event loop until it holds; fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(POLL_S)
 
 
 @pytest.mark.swarm
