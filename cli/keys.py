@@ -38,8 +38,10 @@ def whoami(
         ),
     ] = None,
 ) -> None:
-    """Print the peer id this machine's peer of ROLE runs as (or that --identity gives): the id a
-    run's owner passes to `swarmtrain coordinator --trainer ID` to let that trainer drive the run."""
+    """Print the peer id this machine's peer of a role runs as (or that --identity gives).
+
+    It is the id a run's owner passes to `swarmtrain coordinator --trainer ID` to let that
+    trainer drive the run."""
     from swarmtrain.errors import ConfigError
     from swarmtrain.trust.identity import Identity, default_identity_path
 

@@ -46,8 +46,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command()(keygen)
-app.command()(whoami)
 
 
 @app.command()
@@ -655,6 +653,10 @@ def demo(
             typer.echo(json.dumps(summary, indent=2))
 
     run_guarded(main)
+
+
+app.command()(keygen)
+app.command()(whoami)
 
 
 def _usage_error_line(e: typer.TyperException) -> str:
