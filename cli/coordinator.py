@@ -1,0 +1,264 @@
+"""`swarmtrain coordinator`: start a run, signed as its owner, and keep its address."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from swarmtrain.cli.options import (
+    Host,
+    IdentityPath,
+    Port,
+    SwarmKeyPath,
+    Verbose,
+    check_run_id_flag,
+    check_writable_flag,
+    parse_model_config,
+    parse_stage_bounds,
+    run_guarded,
+    setup_logging,
+    trust_settings,
+)
+
+
+def coordinator(
+    run_id: Annotated[
+        str,
+        typer.Option(
+            help="Name of the run, which peers pass as --run-id: 1-64 letters, digits, '_', '.' or '-'.",
+            callback=check_run_id_flag,
+        ),
+    ] = "demo",
+    model: Annotated[
+        str,
+        typer.Option(
+            help="Model builder: a registered name (tiny-gpt) or 'package.module:function', "
+            "importable on every peer."
+        ),
+    ] = "tiny-gpt",
+    model_config: Annotated[
+        str,
+        typer.Option(
+            help="Builder options: a JSON object or KEY=VALUE,KEY=VALUE, e.g. n_layer=8,d_model=256.",
+            show_default="the builder's own; tiny-gpt: n_layer=4,n_head=4,d_model=128,seq_len=128",
+        ),
+    ] = "",
+    stages: Annotated[
+        int,
+        typer.Option(
+            help="Pipeline stages, 1 to the model's block count (tiny-gpt: n_layer); blocks are split evenly."
+        ),
+    ] = 3,
+    stage_bounds: Annotated[
+        str | None,
+        typer.Option(
+            help="Unequal stages as block boundaries, e.g. 0,3,5,6: stage k holds blocks b[k]..b[k+1]-1. "
+            "Overrides --stages.",
+            show_default="an even split",
+        ),
+    ] = None,
+    optimizer: Annotated[str, typer.Option(help="Optimizer every stage runs: adamw or sgd.")] = "adamw",
+    lr: Annotated[float, typer.Option(help="Learning rate, > 0.")] = 3e-3,
+    weight_decay: Annotated[
+        float, typer.Option(help="Decoupled (AdamW-style) weight decay coefficient, >= 0; 0 turns it off.")
+    ] = 0.0,
+    microbatch_size: Annotated[
+        int, typer.Option(help="Sequences per microbatch, each the model's seq_len tokens long; >= 1.")
+    ] = 8,
+    microbatches_per_step: Annotated[
+        int, typer.Option(help="Microbatches accumulated into one optimizer step; >= 1.")
+    ] = 4,
+    max_in_flight: Annotated[
+        int, typer.Option(help="Microbatches a trainer keeps in the pipeline at once; >= 1.")
+    ] = 4,
+    seed: Annotated[
+        int, typer.Option(help="Run seed (an integer): model initialisation and data order.")
+    ] = 0,
+    steps: Annotated[int, typer.Option(help="Optimizer steps the run aims for; 0 means until stopped.")] = 0,
+    schedule: Annotated[
+        str,
+        typer.Option(
+            help="readiness: peers run whatever work is ready and route each microbatch to the replica "
+            "expected to finish it first; static: round-robin replicas in a fixed 1F1B order (a baseline)."
+        ),
+    ] = "readiness",
+    compress_activations: Annotated[
+        str,
+        typer.Option(
+            help="Codec of the activations stages send forward: none, fp16, bf16, int8, nf4, uint4 "
+            "(int8-s16, nf4-s16, uint4-s16: the same with fp16 block scales, a little smaller), "
+            "or auto (chosen per link from its measured bandwidth); or one per boundary, comma-separated "
+            "(none,int8,nf4: stage 0 to 1 raw, 1 to 2 int8, 2 to 3 nf4)."
+        ),
+    ] = "none",
+    compress_gradients: Annotated[
+        str,
+        typer.Option(
+            help="Codec of the activation gradients stages send backward (same choices; "
+            "one for all boundaries or one per boundary)."
+        ),
+    ] = "none",
+    compress_averaging: Annotated[
+        str,
+        typer.Option(
+            help="Codec of the gradient sums replicas of a stage exchange (same choices; "
+            "one for all stages or one per stage)."
+        ),
+    ] = "none",
+    error_feedback: Annotated[
+        bool,
+        typer.Option(help="Gradient and averaging codecs carry what they rounded away into the next send."),
+    ] = True,
+    loss: Annotated[
+        str | None,
+        typer.Option(
+            help="Loss the last stage computes, by registered name: cross_entropy, weighted_cross_entropy "
+            "(each microbatch also carries per-token 'weights'), or one the model's module registers.",
+            show_default="the model's own (tiny-gpt: cross_entropy)",
+        ),
+    ] = None,
+    host: Host = "127.0.0.1",
+    port: Port = 0,
+    dashboard_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Serve the swarm dashboard on this port, 0..65535 (0 picks a free one).",
+            show_default="no dashboard",
+        ),
+    ] = None,
+    dashboard_host: Annotated[
+        str, typer.Option(help="Address the dashboard listens on: 127.0.0.1 (this machine) or 0.0.0.0.")
+    ] = "127.0.0.1",
+    address_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write the peer address (one line) to this file once serving.",
+            show_default="not written",
+            callback=check_writable_flag,
+        ),
+    ] = None,
+    trainer: Annotated[
+        list[str],
+        typer.Option(
+            "--trainer",
+            help="Peer id of a trainer this run authorizes (`swarmtrain whoami` on its machine prints it); "
+            "repeat for several. Stage peers take microbatches and commit phases from no one else.",
+            show_default="this machine's default trainer identity",
+        ),
+    ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
+    any_trainer: Annotated[
+        bool,
+        typer.Option(
+            "--any-trainer",
+            hidden=True,
+            help="Benchmarks only: authorize every trainer, as before runs had owners (the baseline "
+            "the cost of authorization is measured against).",
+        ),
+    ] = False,
+    identity: IdentityPath = None,
+    swarm_key: SwarmKeyPath = None,
+    verbose: Verbose = False,
+) -> None:
+    """Start a swarm: a bootstrap DHT peer that publishes a run's manifest, signed as the run's owner."""
+    setup_logging(verbose)
+    from swarmtrain.peers.coordinator import Coordinator, CoordinatorConfig
+    from swarmtrain.peers.dashboard.config import DashboardConfig
+    from swarmtrain.swarm import NodeConfig
+    from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
+
+    def main() -> None:
+        from swarmtrain.cli.options import check_run_owner_flag
+        from swarmtrain.trust.identity import Identity, default_identity_path
+
+        trust = trust_settings("coordinator", identity, swarm_key)
+        owner = Identity.load(trust["identity_path"])
+        trainers = [check_run_owner_flag(t) for t in trainer] or [
+            Identity.load(default_identity_path("trainer")).peer_id
+        ]
+        if any_trainer:
+            trainers = []
+        listen_port = port or _free_or_zero(host, owner.remembered_port())
+        config = CoordinatorConfig(
+            node=NodeConfig(host=host, port=listen_port, **trust),
+            trainers=tuple(trainers),
+            run_id=run_id,
+            model=model,
+            model_config=parse_model_config(model_config),
+            num_stages=stages,
+            stage_bounds=parse_stage_bounds(stage_bounds),
+            optimizer=OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay),
+            batch=BatchConfig(
+                microbatch_size=microbatch_size,
+                microbatches_per_step=microbatches_per_step,
+                max_in_flight=max_in_flight,
+            ),
+            seed=seed,
+            max_steps=steps,
+            schedule=schedule,
+            compression=CompressionConfig(
+                activations=compress_activations,
+                gradients=compress_gradients,
+                averaging=compress_averaging,
+                error_feedback=error_feedback,
+            ),
+            loss=loss,
+            dashboard=None
+            if dashboard_port is None
+            else DashboardConfig(host=dashboard_host, port=dashboard_port),
+        )
+        coord = Coordinator(config)
+        owner.remember_port(int(coord.address.split("/tcp/")[1].split("/")[0]))
+        try:
+            m = coord.manifest
+            typer.echo(
+                f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages {list(m.stage_bounds)}"
+            )
+            if m.compression.is_enabled:
+                typer.echo(f"compression: {m.compression.describe()}")
+            if m.loss is not None:
+                typer.echo(f"loss: {m.loss}")
+            typer.echo(f"owner:        {coord.node.peer_id} (identity {owner.path})")
+            typer.echo(f"trainers:     {', '.join(m.trainers) or 'anyone (--any-trainer)'}")
+            if coord.node.swarm_key is not None:
+                typer.echo(f"private swarm, key {coord.node.swarm_key.fingerprint} ({swarm_key})")
+            key_flag = "" if swarm_key is None else f" --swarm-key {swarm_key}"
+            typer.echo(f"peer address: {coord.address}")
+            typer.echo(f"join with:    swarmtrain join --initial-peers {coord.address}{key_flag}")
+            if coord.dashboard is not None:
+                typer.echo(f"dashboard:    {coord.dashboard.url}")
+            if address_file is not None:
+                tmp = address_file.with_suffix(".tmp")
+                tmp.write_text(coord.address + "\n")
+                tmp.replace(address_file)
+            _wait_for_signal(coord)
+        finally:
+            coord.close()
+
+    run_guarded(main)
+
+
+def _free_or_zero(host: str, port: int | None) -> int:
+    """`port` if it is free on `host` (a coordinator's address from last time), else 0 (any)."""
+    import socket
+
+    if port is None:
+        return 0
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return 0
+    return port
+
+
+def _wait_for_signal(coord) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: coord.close())
+    try:
+        while not coord.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
