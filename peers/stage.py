@@ -7,9 +7,7 @@ work, the step commit, state downloads); this process wires it to a DHT node, a 
 transport and a real clock. Every heartbeat it announces its readiness and counters in the
 DHT, reads the replicas of the next stage (where its hops go), catches up if it fell behind,
 and may move to another stage when that raises swarm throughput (`placement.StageRebalancer`).
-
-Networking runs on one asyncio loop; compute on one thread, in the order the run's
-schedule gives (`swarmtrain.schedule`).
+Networking runs on one asyncio loop; compute on one thread, in the schedule's order.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import contextlib
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -27,9 +24,10 @@ from hivemind.utils import get_dht_time
 
 import swarmtrain
 from swarmtrain.errors import ConfigError
-from swarmtrain.model import ModelSources, build_stage, resolve_builder
+from swarmtrain.model import build_stage, resolve_builder
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
 from swarmtrain.peers.self_measure import capacity, device_label, link_figures, memory_used_bytes
+from swarmtrain.peers.stage_config import StageConfig
 from swarmtrain.schedule import (
     ReadinessQueue,
     ReadinessRouter,
@@ -38,14 +36,14 @@ from swarmtrain.schedule import (
     in_flight_budget,
 )
 from swarmtrain.schedule.runtime import ComputeScheduler
-from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
+from swarmtrain.swarm import SwarmNode, stage_replicas
 from swarmtrain.train.authority import RunAuthority, StepClaims
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.placement import choose_stage, stage_memory_figures
 from swarmtrain.train.service import StageService
 from swarmtrain.train.serving import ServeCounters
 from swarmtrain.train.stage_runner import StageRunner
-from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
+from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.keys import MANIFEST_TTL_S
 from swarmtrain.wire.records import MAX_BANNED_LISTED, PeerRecord, RunManifest
 
@@ -53,60 +51,6 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_REPUBLISH_S = 10.0
 """Seconds between a stage peer's republications of the run manifest (as coordinators do)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageConfig:
-    """A stage peer: which swarm, run and stage, and on what device."""
-
-    node: NodeConfig = field(default_factory=NodeConfig)
-    run_id: str | None = None
-    """Run to join; None joins the only run the swarm announces."""
-    stage: int | None = None
-    """Stage to serve; None: a stage with no replica first, else the planner's join rule
-    (`swarmtrain.train.placement.choose_stage`)."""
-    device: str = "cpu"
-    """torch device for compute, e.g. 'cpu' or 'cuda:0'."""
-    num_threads: int | None = None
-    """torch intra-op threads; None keeps torch's default."""
-    heartbeat_s: float = 2.0
-    """Seconds between announcements in the DHT."""
-    ttl_s: float = 6.0
-    """Lifetime of an announcement: a peer silent for this long drops out of routing."""
-    slowdown: float = 1.0
-    """Make compute take this many times longer (emulates a slower device on one machine)."""
-    slowdown_file: str | None = None
-    """A file holding a number: while it exists, compute takes that many times longer instead
-    of `slowdown` (emulates a device that throttles for a while)."""
-    max_memory_bytes: int | None = None
-    """Memory this peer may use; a stage that needs more is refused."""
-    is_spot: bool = False
-    """The machine may be preempted at any time (announced; planners prefer others for scarce stages)."""
-    rebalance_s: float = 10.0
-    """Seconds between checks whether moving to another stage would raise swarm throughput; 0: never move."""
-    rebalance_patience: int = 3
-    """Consecutive checks a move must stay worthwhile (by more than 10%) before the peer moves."""
-    probe_s: float = 0.3
-    """Seconds of matmul timing in the start-up capacity probe."""
-    drain_timeout_s: float = 10.0
-    """On SIGTERM, how long to wait for in-flight microbatches (and their step's commit) before leaving."""
-    fault: str | None = None
-    """Test hook, 'ACTION:KIND:N': SIGKILL ('kill') or SIGTERM ('term') this peer as its N-th
-    'forward' / 'backward' / 'loss' task starts (see peers/faults.py)."""
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    models: ModelSources = field(default_factory=ModelSources)
-    """Import paths of builders this peer lets a run's manifest name (--allow-model); registered
-    names and installed entry points need none."""
-
-    def __post_init__(self):
-        if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
-            raise ConfigError(f"need 0 < heartbeat_s < ttl_s, got {self.heartbeat_s} and {self.ttl_s}")
-        if self.slowdown < 1:
-            raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
-        if self.stage is not None and self.stage < 0:
-            raise ConfigError(f"--stage must be >= 0, got {self.stage}")
-        if self.fault is not None:
-            FaultInjector.parse(self.fault)
 
 
 class StagePeer:
@@ -306,12 +250,14 @@ class StagePeer:
         logger.warning("moved from stage %d to stage %d to raise swarm throughput", old, stage)
 
     async def _wait_idle(self, timeout_s: float) -> None:
-        """Wait until no microbatch is in flight here and no gradient of the step would be lost
-        by leaving (it was exchanged with the other replicas, or the step was applied)."""
+        """Wait until no microbatch is in flight here and leaving loses no gradient: the step was
+        exchanged or applied (here, or by replicas that went on without this one)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            nothing_to_lose = not self.runner.has_gradients or self.service.commit.exchanged
-            if not self.service.in_flight and nothing_to_lose:
+            runner, ahead = self.runner, await self._live_replicas(self._records)  # read every heartbeat
+            moved_on = any(r.step > runner.step for r in ahead)
+            loses = runner.has_gradients and not self.service.commit.exchanged and not moved_on
+            if not self.service.in_flight and not loses:
                 return
             await asyncio.sleep(0.05)
 

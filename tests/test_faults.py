@@ -85,12 +85,13 @@ def test_peers_lost_mid_forward_and_mid_backward_lose_nothing(local_swarm, actio
     results, after = [], 0
     with swarm.trainer(verify_replicas=True) as trainer:
         wait_for_serving(trainer, {0: 2, 1: 2, 2: 1})
-        for result in trainer.train(batches(), steps=40):  # until both faults hit, and 2 steps more
+        for result in trainer.train(batches(), steps=120):  # until both faults hit, and 2 steps more
             results.append(result)
             after += gone()
             if after == 3:
                 break
-    assert after == 3, f"the faulty peers were still up after {len(results)} steps"
+    logs = "\n".join(f"--- {name}:\n{swarm.log_tail(name)}" for name in (fwd, bwd))
+    assert after == 3, f"the faulty peers were still up after {len(results)} steps\n{logs}"
     for name in (fwd, bwd):
         code = swarm.procs[name].wait(timeout=30)
         assert code == (0 if action == "term" else -signal.SIGKILL), f"{name} exited with {code}"

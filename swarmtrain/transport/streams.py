@@ -158,6 +158,8 @@ class TensorTransport:
                     await asyncio.wait_for(_drain(reader), LINGER_S)
             except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
                 logger.debug("stream from %s broke: %r", peer[-8:], e)
+            except asyncio.CancelledError:  # this peer is shutting down: the caller sees the stream close
+                pass  # (re-raised, the stream reader's callback would print it as an error)
             finally:
                 writer.close()
 

@@ -1,0 +1,66 @@
+"""What one stage peer is told: its swarm, run and stage, device, and the knobs of its
+heartbeats, draining and moves (`swarmtrain join`'s flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from swarmtrain.errors import ConfigError
+from swarmtrain.model import ModelSources
+from swarmtrain.peers.faults import FaultInjector
+from swarmtrain.swarm import NodeConfig
+from swarmtrain.transport import TransportConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """A stage peer: which swarm, run and stage, and on what device."""
+
+    node: NodeConfig = field(default_factory=NodeConfig)
+    run_id: str | None = None
+    """Run to join; None joins the only run the swarm announces."""
+    stage: int | None = None
+    """Stage to serve; None: a stage with no replica first, else the planner's join rule
+    (`swarmtrain.train.placement.choose_stage`)."""
+    device: str = "cpu"
+    """torch device for compute, e.g. 'cpu' or 'cuda:0'."""
+    num_threads: int | None = None
+    """torch intra-op threads; None keeps torch's default."""
+    heartbeat_s: float = 2.0
+    """Seconds between announcements in the DHT."""
+    ttl_s: float = 6.0
+    """Lifetime of an announcement: a peer silent for this long drops out of routing."""
+    slowdown: float = 1.0
+    """Make compute take this many times longer (emulates a slower device on one machine)."""
+    slowdown_file: str | None = None
+    """A file holding a number: while it exists, compute takes that many times longer instead
+    of `slowdown` (emulates a device that throttles for a while)."""
+    max_memory_bytes: int | None = None
+    """Memory this peer may use; a stage that needs more is refused."""
+    is_spot: bool = False
+    """The machine may be preempted at any time (announced; planners prefer others for scarce stages)."""
+    rebalance_s: float = 10.0
+    """Seconds between checks whether moving to another stage would raise swarm throughput; 0: never move."""
+    rebalance_patience: int = 3
+    """Consecutive checks a move must stay worthwhile (by more than 10%) before the peer moves."""
+    probe_s: float = 0.3
+    """Seconds of matmul timing in the start-up capacity probe."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM, how long to wait for in-flight microbatches (and their step's commit) before leaving."""
+    fault: str | None = None
+    """Test hook, 'ACTION:KIND:N': SIGKILL ('kill') or SIGTERM ('term') this peer as its N-th
+    'forward' / 'backward' / 'loss' task starts (see peers/faults.py)."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    models: ModelSources = field(default_factory=ModelSources)
+    """Import paths of builders this peer lets a run's manifest name (--allow-model); registered
+    names and installed entry points need none."""
+
+    def __post_init__(self):
+        if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
+            raise ConfigError(f"need 0 < heartbeat_s < ttl_s, got {self.heartbeat_s} and {self.ttl_s}")
+        if self.slowdown < 1:
+            raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
+        if self.stage is not None and self.stage < 0:
+            raise ConfigError(f"--stage must be >= 0, got {self.stage}")
+        if self.fault is not None:
+            FaultInjector.parse(self.fault)
