@@ -157,6 +157,18 @@ def coordinator(
             "the cost of authorization is measured against).",
         ),
     ] = False,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(min=0, help="Stage replicas checkpoint their stage every this many steps; 0 never."),
+    ] = 100,
+    allow_reinit: Annotated[
+        bool,
+        typer.Option(
+            "--allow-reinit",
+            help="A stage that lost its last replica, with no checkpoint of it in the swarm, starts again "
+            "from the run seed (default: it waits, shown as lost).",
+        ),
+    ] = False,
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     verbose: Verbose = False,
@@ -204,6 +216,8 @@ def coordinator(
                 error_feedback=error_feedback,
             ),
             loss=loss,
+            checkpoint_every=checkpoint_every,
+            allow_reinit=allow_reinit,
             dashboard=None
             if dashboard_port is None
             else DashboardConfig(host=dashboard_host, port=dashboard_port),

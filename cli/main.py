@@ -119,6 +119,16 @@ def join(
             show_default="not watched",
         ),
     ] = None,
+    checkpoint_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where this peer writes its stage's checkpoints (the run sets how often).",
+            show_default="<data dir>/checkpoints",
+        ),
+    ] = None,
+    checkpoint_keep: Annotated[
+        int, typer.Option(min=1, help="Checkpoints of its stage this peer keeps (the newest).")
+    ] = 2,
     inject_fault: Annotated[
         str | None,
         typer.Option(
@@ -166,6 +176,8 @@ def join(
             is_spot=spot,
             slowdown_file=None if slowdown_file is None else str(slowdown_file),
             fault=inject_fault,
+            checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
+            checkpoint_keep=checkpoint_keep,
             models=ModelSources(allow=tuple(allow_model or ())),
         )
         peer = StagePeer(config)

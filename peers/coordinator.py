@@ -63,6 +63,10 @@ class CoordinatorConfig:
     trainers: tuple[str, ...] = ()
     """Peer ids of the trainers this run authorizes (the manifest lists them; stage peers take
     microbatches and commit phases from no one else)."""
+    checkpoint_every: int = 100
+    """Stage replicas checkpoint their stage every this many steps (0: never)."""
+    allow_reinit: bool = False
+    """A lost stage with no checkpoint anywhere starts again from the seed instead of waiting."""
     republish_s: float = 10.0
     """Seconds between republications of the manifest."""
     dashboard: DashboardConfig | None = None
@@ -96,6 +100,8 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         compression=config.compression,
         loss=config.loss,
         trainers=tuple(config.trainers),
+        checkpoint_every=config.checkpoint_every,
+        allow_reinit=config.allow_reinit,
     )
 
 

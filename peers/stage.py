@@ -25,6 +25,11 @@ from hivemind.utils import get_dht_time
 import swarmtrain
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_stage, resolve_builder
+from swarmtrain.peers.checkpoints import (
+    StageCheckpointer,
+    bring_back,
+    default_checkpoint_dir,
+)
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
 from swarmtrain.peers.self_measure import capacity, device_label, link_figures, memory_used_bytes
 from swarmtrain.peers.stage_config import StageConfig
@@ -72,6 +77,9 @@ class StagePeer:
         self._rebalancer = None
         self._memory: list[tuple[int, int]] = []
         self.moves = 0
+        self.checkpoints: StageCheckpointer | None = None
+        self.restored_from: int | None = None
+        """The checkpoint step this peer brought its lost stage back from."""
         self.scheduler: ComputeScheduler | None = None
         self.router: ReadinessRouter | None = None
         self._replicas: dict[int, list[str]] = {}
@@ -140,6 +148,9 @@ class StagePeer:
         else:
             self.stage = cfg.stage
         start, end = manifest.stage_span(self.stage)
+        self.checkpoints = StageCheckpointer(
+            cfg.checkpoint_dir or default_checkpoint_dir(), manifest, keep=cfg.checkpoint_keep
+        )
         self.router = RoundRobinRouter() if manifest.schedule == "static" else ReadinessRouter()
         self.transport = TensorTransport(await node.p2p(), cfg.transport, swarm_key=node.swarm_key)
         self._take_stage(self.stage)
@@ -225,10 +236,14 @@ class StagePeer:
                     trainers=self._claims.trainers,
                     stage_of=lambda peer: self._members.get(peer),
                     refresh=self.refresh_replicas,
+                    owner=lambda: self.node.owner_of(manifest.run_id),
                 ),
                 is_draining=lambda: self.state != "serving",
                 on_behind=self.resync_soon,
-                on_applied=self.heartbeat_soon,
+                on_applied=self._on_applied,
+                checkpoint_state=lambda step: self.checkpoints.state_at(
+                    stage, step, list(runner.named_params)
+                ),
             ),
             self.counters,
         )
@@ -269,6 +284,7 @@ class StagePeer:
         except Exception as e:  # leaving anyway: the TTL will retire our record
             logger.warning("could not announce draining: %r", e)
         await self._wait_idle(self.config.drain_timeout_s)
+        await self.checkpoints.wait()
         logger.info("stage %d left the swarm (%d microbatches served)", self.stage, self.counters.served)
 
     def record(self) -> PeerRecord:
@@ -284,6 +300,7 @@ class StagePeer:
             step=self.runner.step,
             capacity=self.capacity,
             since=self._since,
+            checkpoints=self.checkpoints.held(self.stage),
             **self.scheduler.readiness(),  # queue_depth, backlog_s, service_s, holding
             in_flight_budget=self.budget,
             memory_used_bytes=memory_used_bytes(self.config.device),
@@ -298,6 +315,10 @@ class StagePeer:
 
     async def _heartbeat(self) -> None:
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=self.config.ttl_s)
+
+    def _on_applied(self) -> None:
+        self.checkpoints.after_apply(self.runner, self.scheduler, self.stage)
+        self.heartbeat_soon()
 
     def heartbeat_soon(self) -> None:
         self._beat_soon = asyncio.create_task(self._heartbeat())
@@ -351,8 +372,9 @@ class StagePeer:
         (`StepClaims`); a stage nobody serves keeps its run-seed initialisation. True if taken."""
         replicas = await self._live_replicas()
         points = await self.node.trainer_points_async(self.manifest.run_id)
-        order = self._claims.join_from(replicas, points) if replicas else []
-        return await self.service.take_state(order) is not None
+        if not replicas:
+            return await bring_back(self, points)
+        return await self.service.take_state(self._claims.join_from(replicas, points)) is not None
 
     async def _resync_if_behind(self) -> bool:
         """A replica that missed a step (it joined mid-step, or left a commit) catches up when

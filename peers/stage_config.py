@@ -47,6 +47,10 @@ class StageConfig:
     """Seconds of matmul timing in the start-up capacity probe."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, how long to wait for in-flight microbatches (and their step's commit) before leaving."""
+    checkpoint_dir: str | None = None
+    """Where this peer writes its stage's checkpoints (None: `<data dir>/checkpoints`)."""
+    checkpoint_keep: int = 2
+    """Checkpoints of its stage this peer keeps (the newest); at least 1."""
     fault: str | None = None
     """Test hook, 'ACTION:KIND:N': SIGKILL ('kill') or SIGTERM ('term') this peer as its N-th
     'forward' / 'backward' / 'loss' task starts (see peers/faults.py)."""
@@ -62,5 +66,7 @@ class StageConfig:
             raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
         if self.stage is not None and self.stage < 0:
             raise ConfigError(f"--stage must be >= 0, got {self.stage}")
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"--checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
         if self.fault is not None:
             FaultInjector.parse(self.fault)

@@ -27,6 +27,7 @@ STATUS_STYLES = {
     "serving": "green",
     "joining": "yellow",
     "draining": "dark_orange",
+    "lost": "magenta",
     "banned": "red",
     "gone": "dim",
 }

@@ -43,8 +43,8 @@ class PeerView(BaseModel):
     peer_id: str
     role: str = Field(description="coordinator, stage or trainer.")
     stage: int = Field(description="Stage served; -1 for other roles.")
-    state: str = Field(description="What the peer says: joining, serving or draining.")
-    status: str = Field(description="What the map shows: joining, serving, draining, banned or gone.")
+    state: str = Field(description="What the peer says: joining, serving, draining or lost.")
+    status: str = Field(description="What the map shows: joining, serving, draining, lost, banned or gone.")
     device: str
     version: str = Field(description="swarmtrain version of the peer.")
     since: float = Field(description="DHT time the peer started serving its stage.")
@@ -68,6 +68,7 @@ class PeerView(BaseModel):
     bytes_sent: int
     bytes_received: int
     raw_bytes_sent: int
+    checkpoints: list[int] = Field(description="Steps of the checkpoints of its stage the peer holds.")
     compression: float | None = Field(description="raw_bytes_sent / bytes_sent; null before any bytes.")
     served_per_s: float
     bytes_sent_per_s: float

@@ -27,7 +27,7 @@ from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
 EVENT_KINDS = ("join", "leave", "state", "move", "ban", "replay", "drop", "step")
-DISPLAY_STATES = ("joining", "serving", "draining", "banned", "gone")
+DISPLAY_STATES = ("joining", "serving", "draining", "lost", "banned", "gone")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,11 +79,13 @@ def refusal(
     trainers: Collection[str] | None,
     stage_of: Callable[[str], int | None],
     group: Collection[str] | None = None,
+    owner: str | None = None,
 ) -> Refusal | None:
     """Whether a replica of `stage` refuses a `kind` request from `caller` (see the module
     docstring); None: it may serve it. `trainers` is the run's authorized trainers (None: an
     open run), `stage_of(peer)` the stage a peer is a member of (None: not a member), `group`
-    the exchange group a 'grads' request must come from, None while no exchange named one."""
+    the exchange group a 'grads' request must come from, None while no exchange named one,
+    `owner` the run's owner (who may read any stage's state, to archive it)."""
     who = f"peer {_short(caller)}"
 
     def authorized(peer: str) -> bool:
@@ -121,7 +123,7 @@ def refusal(
             )
         if group is not None and caller not in group:
             return Refusal(f"{who} is not in stage {stage}'s exchange group", membership=False)
-    if kind == "state" and stage_of(caller) != stage and not authorized(caller):
+    if kind == "state" and stage_of(caller) != stage and not authorized(caller) and caller != owner:
         return Refusal(
             f"{who} is neither a member of stage {stage} nor a trainer this run's owner authorized: "
             "only they may download its state",
@@ -140,6 +142,8 @@ class RunAuthority:
     """The stage a peer is a member of (serving, joining or draining), None if it is none."""
     refresh: Callable[[], Awaitable[None]]
     """Read the run's membership again (what `stage_of` answers from)."""
+    owner: Callable[[], str | None] = lambda: None
+    """The run's owner: it may read any stage's state (the archivist)."""
     refresh_interval_s: float = REFRESH_INTERVAL_S
     """Least time between two refreshes on behalf of refused requests."""
     clock: Callable[[], float] = time.monotonic
@@ -164,6 +168,7 @@ class RunAuthority:
             trainers=self.trainers(),
             stage_of=self.stage_of,
             group=group,
+            owner=self.owner(),
         )
 
     async def check(
@@ -248,14 +253,14 @@ class StepClaims:
         self.trainers = trainers
         self._warned: set[str] = set()
 
-    def _committed(self, raw_points: Iterable[Any]) -> int | None:
+    def committed(self, raw_points: Iterable[Any]) -> int | None:
         return committed_step(read_points(raw_points), self.trainers())
 
     def resync_from(
         self, replicas: Iterable[PeerRecord], own_step: int, raw_points: Iterable[Any]
     ) -> list[str]:
         """`resync_sources` among `replicas` for a replica at `own_step`."""
-        committed = self._committed(raw_points)
+        committed = self.committed(raw_points)
         sources, unproven = resync_sources([(r.peer_id, r.step) for r in replicas], own_step, committed)
         for peer, step in unproven:
             if peer not in self._warned:
@@ -271,4 +276,4 @@ class StepClaims:
 
     def join_from(self, replicas: Iterable[PeerRecord], raw_points: Iterable[Any]) -> list[str]:
         """`join_sources` among `replicas`."""
-        return join_sources([(r.peer_id, r.step) for r in replicas], self._committed(raw_points))
+        return join_sources([(r.peer_id, r.step) for r in replicas], self.committed(raw_points))

@@ -55,7 +55,9 @@ class StageContext:
     on_behind: Callable[[], None] = _nothing
     """Work of a later step arrived: this replica fell behind and should catch up once idle."""
     on_applied: Callable[[], None] = _nothing
-    """A step was applied (announce the new step soon)."""
+    """A step was applied (announce the new step soon, checkpoint it if due)."""
+    checkpoint_state: Callable[[int], dict | None] = lambda step: None
+    """The state of this stage's checkpoint of `step` on this peer's disk, None if it holds none."""
 
     @property
     def handler(self) -> str:

@@ -16,6 +16,7 @@ caller can replay elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
@@ -24,7 +25,7 @@ from swarmtrain.train.commit import CommitParticipant
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.serving import ForwardServer, ServeCounters
 from swarmtrain.wire.frames import Frame, error_frame
-from swarmtrain.wire.messages import GradsMeta, PongMeta, Readiness
+from swarmtrain.wire.messages import GradsMeta, PongMeta, Readiness, StateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,7 @@ class StageService:
             if frame.kind == "grads":
                 return await self.commit.on_grads(frame, caller)
             if frame.kind == "state":
-                runner = ctx.runner  # the step and the state it labels are read together
-                step, state = await ctx.scheduler.call(lambda: (runner.step, runner.export_state()))
-                return Frame(kind="state_data", run_id=ctx.run_id, stage=ctx.stage, step=step, tensors=state)
+                return await self._state(StateRequest.from_meta(frame.meta).checkpoint)
         except BadFrameError as e:
             ctx.transport.strike(caller, str(e))
             message = f"stage {ctx.stage} rejected {_what(frame)}: {e}"
@@ -108,23 +107,44 @@ class StageService:
             frame.kind, caller, stage=self.ctx.stage, mb_id=frame.mb_id, group=group
         )
 
-    async def take_state(self, replicas: list[str]) -> int | None:
+    async def _state(self, checkpoint: int | None) -> Frame:
+        ctx, runner = self.ctx, self.ctx.runner
+        if checkpoint is None:  # the step and the state it labels are read together
+            step, state = await ctx.scheduler.call(lambda: (runner.step, runner.export_state()))
+        else:
+            step, state = (
+                checkpoint,
+                await asyncio.get_running_loop().run_in_executor(None, ctx.checkpoint_state, checkpoint),
+            )
+            if state is None:
+                raise RemoteError(
+                    f"this peer holds no checkpoint of step {checkpoint}", cause=Cause.OWN_FAILURE
+                )
+        return Frame(kind="state_data", run_id=ctx.run_id, stage=ctx.stage, step=step, tensors=state)
+
+    async def take_state(self, replicas: list[str], *, checkpoint: int | None = None) -> int | None:
         """Download parameters and optimizer state from the first of `replicas` that answers
-        (a joining replica, or one that fell behind); returns the step taken, None if none did."""
+        (a joining replica, or one that fell behind), or their checkpoint of step `checkpoint`;
+        returns the step taken, None if none did."""
         ctx = self.ctx
+        meta = StateRequest(checkpoint=checkpoint).to_meta()
         for peer in replicas:
-            request = Frame(kind="state", run_id=ctx.run_id, stage=ctx.stage)
+            request = Frame(kind="state", run_id=ctx.run_id, stage=ctx.stage, meta=meta)
             try:
                 reply = await ctx.transport.call(peer, ctx.handler, request, timeout_s=STATE_TIMEOUT_S)
-                await ctx.scheduler.call(ctx.runner.import_state, reply.tensors, reply.step)
+                await self.install_state(reply.tensors, reply.step)
             except (RemoteError, PeerUnreachableError, BadFrameError) as e:
-                logger.warning("could not take state from replica %s: %s", peer[-8:], e)
+                logger.warning("could not take state from peer %s: %s", peer[-8:], e)
                 continue
-            self.commit.reset()
-            self.forward.cache.clear()
-            logger.info("took the state of step %d from replica %s", reply.step, peer[-8:])
+            logger.info("took the state of step %d from peer %s", reply.step, peer[-8:])
             return reply.step
         return None
+
+    async def install_state(self, state: dict, step: int) -> None:
+        """Replace this replica's state with `state` at `step` (BadFrameError if it does not fit)."""
+        await self.ctx.scheduler.call(self.ctx.runner.import_state, state, step)
+        self.commit.reset()
+        self.forward.cache.clear()
 
     async def _forward(self, frame: Frame, caller: str) -> Frame:
         if self.ctx.is_draining():

@@ -351,6 +351,15 @@ class Abort(CommitRequest):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StateRequest(Message):
+    """A request for a replica's state: its live state, or the checkpoint of step `checkpoint`."""
+
+    WHAT = "state request"
+    FIELDS = {"checkpoint": _optional(_int())}
+    checkpoint: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class GradsMeta(Message):
     """A replica's gradient sum for its group, tensors named '0'..'N-1' in parameter order."""
 
@@ -393,4 +402,5 @@ __all__ = [
     "Prepared",
     "Readiness",
     "ResultMeta",
+    "StateRequest",
 ]

@@ -21,8 +21,9 @@ from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the record
     _from_dict,
 )
 
-WIRE_VERSION = 6
-"""6: signed records, the run's authorized trainers, the private swarm's stream challenge.
+WIRE_VERSION = 7
+"""7: checkpoints (the run's cadence, the steps a peer holds, the 'lost' state).
+6: signed records, the run's authorized trainers, the private swarm's stream challenge.
 5: typed protocol meta (lists as lists), error causes, named loss inputs, the run's loss."""
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LOSS_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
@@ -30,13 +31,15 @@ LOSS_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 PEER_ROLES = ("coordinator", "stage", "trainer")
 SCHEDULES = ("readiness", "static")
 """How stage peers order their work and route microbatches (see swarmtrain/schedule)."""
-PEER_STATES = ("joining", "serving", "draining")
+PEER_STATES = ("joining", "serving", "draining", "lost")
 PEER_ID_PATTERN = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
 """A libp2p peer id as libp2p prints it: base58btc, e.g. 12D3KooW... or Qm..."""
 MAX_TRAINERS = 64
 """Trainers a manifest may authorize."""
 MAX_BANNED_LISTED = 16
 """Banned peers a peer record lists at most (a record stays small whatever a peer sees)."""
+MAX_CHECKPOINTS_LISTED = 16
+"""Checkpoint steps a peer record lists at most."""
 
 
 def check_run_id(run_id: str) -> str:
@@ -115,10 +118,26 @@ class RunManifest:
     trainers: tuple[str, ...] = ()
     """Peer ids of the trainers the run's owner authorizes to drive it: only they may send a
     stage its microbatches (under their own ids) and its commit phases."""
+    checkpoint_every: int = 100
+    """Every stage replica checkpoints its stage when it has applied a multiple of this many
+    steps (all stages at the same steps, so they can be put together); 0: never."""
+    allow_reinit: bool = False
+    """A stage that lost its last replica, with no checkpoint of it anywhere, starts again from
+    the run seed (False: it waits in the 'lost' state for a checkpoint to appear)."""
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self):
         check_run_id(self.run_id)
+        if (
+            not isinstance(self.checkpoint_every, int)
+            or isinstance(self.checkpoint_every, bool)
+            or self.checkpoint_every < 0
+        ):
+            raise ConfigError(
+                f"manifest: checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}"
+            )
+        if not isinstance(self.allow_reinit, bool):
+            raise ConfigError(f"manifest: allow_reinit must be true or false, got {self.allow_reinit!r}")
         trainers = self.trainers
         if (
             not isinstance(trainers, list | tuple)
@@ -197,6 +216,8 @@ class RunManifest:
             "compression": self.compression.to_dict(),
             "loss": self.loss,
             "trainers": list(self.trainers),
+            "checkpoint_every": self.checkpoint_every,
+            "allow_reinit": self.allow_reinit,
             "wire_version": self.wire_version,
         }
 
@@ -262,6 +283,8 @@ class PeerRecord:
     """Tensor bytes received, as they came off the wire."""
     raw_bytes_sent: int = 0
     """Tensor bytes sent, before compression (bytes_sent / raw_bytes_sent is the compression ratio)."""
+    checkpoints: tuple[int, ...] = ()
+    """Steps of the checkpoints of its stage the peer holds and serves, at most MAX_CHECKPOINTS_LISTED."""
 
     def __post_init__(self):
         if self.role not in PEER_ROLES:
@@ -285,9 +308,15 @@ class PeerRecord:
         if not all(isinstance(b, str) and 0 < len(b) <= 128 for b in banned):
             raise ConfigError("peer record: banned must hold peer ids")
         object.__setattr__(self, "banned", tuple(banned))
+        held = self.checkpoints
+        if not isinstance(held, (list, tuple)) or len(held) > MAX_CHECKPOINTS_LISTED:
+            raise ConfigError(f"peer record: checkpoints must list at most {MAX_CHECKPOINTS_LISTED} steps")
+        for step in held:
+            _check_count("a checkpoint step", step)
+        object.__setattr__(self, "checkpoints", tuple(held))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"banned": list(self.banned)}
+        return dataclasses.asdict(self) | {"banned": list(self.banned), "checkpoints": list(self.checkpoints)}
 
     @classmethod
     def from_dict(cls, data: Any) -> PeerRecord:
