@@ -59,6 +59,8 @@ class LocalSwarmConfig:
     """Extra environment for every process."""
     swarm_key: str | None = None
     """A private swarm's key file every process gets (--swarm-key); None: an open swarm."""
+    coordinator_args: tuple[str, ...] = ()
+    """Extra `swarmtrain coordinator` flags, e.g. ("--checkpoint-every", "2")."""
     num_trainers: int = 2
     """Trainer identities the run authorizes (`trainer_identity(n)` gives the n-th key file);
     0 authorizes any trainer (benchmarks' baseline for the cost of authorization)."""
@@ -186,6 +188,7 @@ class LocalSwarm:
                 *_optional("--dashboard-port", cfg.dashboard_port),
                 *([arg for t in trainers for arg in ("--trainer", t)] or ["--any-trainer"]),
                 *self.trust_args("coordinator"),
+                *cfg.coordinator_args,
             ],
         )  # fmt: skip
         self.address = self._wait_file("coordinator", address_file)

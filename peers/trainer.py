@@ -14,12 +14,13 @@ driven from a plain Python loop over the user's own data.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from hivemind.utils import get_dht_time
@@ -29,13 +30,17 @@ from swarmtrain.schedule import InFlightWindow, ReadinessRouter, RoundRobinRoute
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.train.authority import claim_limit, committed_step, read_points
 from swarmtrain.train.data import loss_inputs_of
+from swarmtrain.train.rollback import RollbackNeeded, RollbackPlan, plan_rollback
 from swarmtrain.train.step import StepFailedError, StepResult, TrainerContext, TrainerStep
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame
+from swarmtrain.wire.messages import Rollback
 from swarmtrain.wire.records import RunManifest
 
 logger = logging.getLogger(__name__)
 
+ROLLBACK_TIMEOUT_S = 120.0
+"""Longest wait for one replica to take its checkpoint and go back (it may download it)."""
 REFRESH_S = 1.0
 """How old the trainer's view of the serving replicas may get before it reads the DHT again."""
 
@@ -199,13 +204,19 @@ class Trainer:
         deadline = time.monotonic() + self.config.wait_for_stages_s
         while True:
             by_stage = stage_replicas(await self.node.peers_async(self.manifest.run_id))
-            eligible = {
-                k: [r.peer_id for r in by_stage.get(k, []) if self._step_of(r) == step or r.served == 0]
+            eligible = {  # a fresh peer (the seed's state, never served) adopts the run's step
+                k: [
+                    r.peer_id
+                    for r in by_stage.get(k, [])
+                    if self._step_of(r) == step or r.served == r.step == 0
+                ]
                 for k in stages
             }
             missing = [k for k in stages if not eligible[k]]
             if not missing or not wait:
                 return eligible
+            if plan := await self._rollback_plan():
+                raise RollbackNeeded(plan)
             if time.monotonic() > deadline:
                 seen = "; ".join(
                     f"stage {k} has replicas at steps {sorted(r.step for r in by_stage[k])}"
@@ -218,6 +229,32 @@ class Trainer:
                     "start one with `swarmtrain join --initial-peers ADDR --stage K`"
                 )
             await asyncio.sleep(0.25)
+
+    async def _rollback_plan(self) -> RollbackPlan | None:
+        """The rollback a lost stage calls for, None if none (`swarmtrain.train.rollback`)."""
+        records = await self.node.peers_async(self.manifest.run_id)
+        steps = {k: [self._step_of(r) for r in rs] for k, rs in stage_replicas(records).items()}
+        return plan_rollback(steps, records, self.step, self.manifest.num_stages)
+
+    async def _roll_back(self, plan: RollbackPlan) -> None:
+        """Send every serving replica of every stage the rollback; go on as `plan.step`."""
+        logger.warning("%s", plan.describe())
+        by_stage = stage_replicas(await self.node.peers_async(self.manifest.run_id))
+
+        async def one(stage: int, peer: str) -> None:
+            meta = Rollback(checkpoint=plan.checkpoint, sources=plan.sources.get(stage, ())).to_meta()
+            frame = Frame(kind="step", run_id=self.manifest.run_id, stage=stage, step=plan.step, meta=meta)
+            try:
+                reply = await self.transport.call(peer, self.handler, frame, timeout_s=ROLLBACK_TIMEOUT_S)
+                self.known_step[peer] = reply.step
+            except (RemoteError, PeerUnreachableError, BadFrameError) as e:
+                logger.warning("replica %s of stage %d did not roll back: %s", peer[-8:], stage, e)
+
+        await asyncio.gather(*(one(k, r.peer_id) for k, rs in by_stage.items() for r in rs))
+        self.step = plan.step
+        # the step before the one the run goes on as counts as done: a replica that missed the
+        # rollback is behind, and may catch up from one that did not (`authority.claim_limit`)
+        self._publish_point(plan.step - 1, float("nan"), 0.0, 0)
 
     def route(self) -> list[str]:
         """One serving peer per stage (the earliest replica), waiting up to wait_for_stages_s."""
@@ -269,18 +306,21 @@ class Trainer:
 
     def _publish(self, result: StepResult) -> None:
         """Announce the step's loss and speed under `{run}.trainers` (fire and forget)."""
+        self._publish_point(result.step, result.loss, result.tokens_per_s, result.window)
+
+    def _publish_point(self, step: int, loss: float, tokens_per_s: float, window: int) -> None:
         from swarmtrain.wire.metrics import TrainerPoint
 
         point = TrainerPoint(
             trainer=self.node.peer_id,
-            step=result.step,
-            loss=result.loss,
-            tokens_per_s=result.tokens_per_s,
+            step=step,
+            loss=loss,
+            tokens_per_s=tokens_per_s,
             t=get_dht_time(),
             completed=self.totals["completed"],
             replayed=self.totals["replayed"],
             dropped=self.totals["dropped"],
-            window=result.window,
+            window=window,
         )
         self._published = self.node.publish_trainer_point(self.manifest.run_id, point, ttl_s=60)
 
@@ -313,7 +353,8 @@ class Trainer:
         Raises StepFailedError when a step cannot complete.
         """
         it = iter(batches)
-        self._run(self._replicas_at_step())
+        with contextlib.suppress(RollbackNeeded):  # done before the first step
+            self._run(self._replicas_at_step())
         self._run(self._sync_step())
         m = self.manifest.batch.microbatches_per_step
         for _ in range(steps):
@@ -323,7 +364,24 @@ class Trainer:
                     microbatches.append(loss_inputs_of(next(it)))
                 except StopIteration:
                     return
-            result = self._run(TrainerStep(self._context(), self.step, microbatches).run())
+            rolled_back = None
+            while True:
+                plan = rolled_back is None and self._run(self._rollback_plan())
+                if plan:  # a lost stage came back from a checkpoint: go back with it first
+                    self._run(self._roll_back(plan))
+                    rolled_back = plan
+                try:
+                    result = self._run(TrainerStep(self._context(), self.step, microbatches).run())
+                    break
+                except RollbackNeeded as e:  # the stage was lost during the step
+                    if rolled_back is not None:
+                        raise StepFailedError(
+                            f"step {self.step}: {e} again, right after a rollback"
+                        ) from None
+                    self._run(self._roll_back(e.plan))
+                    rolled_back = e.plan
+            if rolled_back is not None:
+                result = replace(result, rolled_back=rolled_back.describe())
             self.step = result.step + 1
             self.totals.update(completed=result.completed, replayed=result.replays, dropped=result.dropped)
             self.window.on_step(result.tokens_per_s, timeouts=result.timeouts)

@@ -25,7 +25,7 @@ from swarmtrain.train.commit import CommitParticipant
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.serving import ForwardServer, ServeCounters
 from swarmtrain.wire.frames import Frame, error_frame
-from swarmtrain.wire.messages import GradsMeta, PongMeta, Readiness, StateRequest
+from swarmtrain.wire.messages import CommitRequest, GradsMeta, PongMeta, Readiness, Rollback, StateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,9 @@ class StageService:
             if frame.kind == "forward":
                 return await self._forward(frame, caller)
             if frame.kind == "step":
+                request = CommitRequest.parse(frame.meta)
+                if isinstance(request, Rollback):
+                    return await self._rollback(frame.step, request)
                 return await self.commit.on_step(frame)
             if frame.kind == "grads":
                 return await self.commit.on_grads(frame, caller)
@@ -139,6 +142,31 @@ class StageService:
             logger.info("took the state of step %d from peer %s", reply.step, peer[-8:])
             return reply.step
         return None
+
+    async def _rollback(self, step: int, request: Rollback) -> Frame:
+        """Take checkpoint `request.checkpoint` (unless this replica is at that step) and go on
+        from it as `step` (`swarmtrain.train.rollback`); a repeated request is answered again."""
+        ctx, runner, want = self.ctx, self.ctx.runner, request.checkpoint
+        if runner.step != step:
+            if want > step:
+                raise BadFrameError(
+                    f"a rollback to checkpoint {want} cannot go on as the earlier step {step}"
+                )
+            if runner.step != want:
+                state = await asyncio.get_running_loop().run_in_executor(None, ctx.checkpoint_state, want)
+                if state is not None:
+                    await self.install_state(state, want)
+                elif await self.take_state(list(request.sources), checkpoint=want) is None:
+                    raise RemoteError(
+                        f"stage {ctx.stage} holds no checkpoint of step {want} and none of its sources "
+                        "gave one",
+                        cause=Cause.OWN_FAILURE,
+                    )
+            await ctx.scheduler.call(runner.relabel, step)
+            self.commit.reset()
+            self.forward.cache.clear()
+            logger.warning("stage %d went back to checkpoint %d; going on as step %d", ctx.stage, want, step)
+        return Frame(kind="step_done", run_id=ctx.run_id, stage=ctx.stage, step=runner.step)
 
     async def install_state(self, state: dict, step: int) -> None:
         """Replace this replica's state with `state` at `step` (BadFrameError if it does not fit)."""

@@ -335,6 +335,12 @@ class StageRunner:
         self._held.clear()
         self._closed = False
 
+    def relabel(self, step: int) -> None:
+        """Go on from the state held as step `step` (a run-wide rollback: `swarmtrain.train.rollback`)."""
+        self.discard_step()
+        self.from_seed = False
+        self.step = step
+
     def param_digest(self) -> str:
         """A hash of every parameter's bytes: replicas are bit-identical exactly when these match."""
         h = hashlib.blake2b(digest_size=16)

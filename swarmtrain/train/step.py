@@ -89,6 +89,9 @@ class StepResult:
     off, or no stage had a second replica that answered)."""
     replicas_compared: dict = field(default_factory=dict)
     """With verify_replicas: per stage, how many replicas' digests were compared."""
+    rolled_back: str = ""
+    """Before this step the run went back to a checkpoint: which stage was lost, to which step,
+    and how many steps that cost (`swarmtrain.train.rollback`); empty otherwise."""
 
     @property
     def tokens_per_s(self) -> float:

@@ -250,6 +250,7 @@ class CommitPhase(StrEnum):
     EXCHANGE = "exchange"
     APPLY = "apply"
     ABORT = "abort"
+    ROLLBACK = "rollback"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,7 +275,7 @@ class CommitRequest(Message):
     def parse(meta: dict[str, Any]) -> CommitRequest:
         """The typed request of a 'step' frame's meta; BadFrameError for an unknown phase."""
         phase = meta.get("phase") if isinstance(meta, dict) else None
-        kinds = {k.PHASE.value: k for k in (Prepare, Exchange, Apply, Abort)}
+        kinds = {k.PHASE.value: k for k in (Prepare, Exchange, Apply, Abort, Rollback)}
         if not isinstance(phase, str) or phase not in kinds:  # a list here is unhashable
             raise BadFrameError(f"unknown commit phase {phase!r} (known: {', '.join(kinds)})")
         return kinds[phase].from_meta(meta)
@@ -351,6 +352,21 @@ class Abort(CommitRequest):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Rollback(CommitRequest):
+    """Take the state of checkpoint step `checkpoint` (held here, or from one of `sources`), and
+    go on from it as the frame's step: a stage lost its last replica and came back from that
+    checkpoint, so every stage goes back with it. Step numbers never go back (a replica that
+    missed the rollback is behind, and catches up from one that did not)."""
+
+    PHASE = CommitPhase.ROLLBACK
+    WHAT = "rollback"
+    FIELDS = {"checkpoint": _int(), "sources": _strs(128)}
+    checkpoint: int
+    sources: tuple[str, ...] = ()
+    """Peers that hold this stage's checkpoint of step `checkpoint`."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class StateRequest(Message):
     """A request for a replica's state: its live state, or the checkpoint of step `checkpoint`."""
 
@@ -402,5 +418,6 @@ __all__ = [
     "Prepared",
     "Readiness",
     "ResultMeta",
+    "Rollback",
     "StateRequest",
 ]

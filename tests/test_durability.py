@@ -1,0 +1,97 @@
+"""Durability on real swarms: a stage that loses its last replica comes back from the newest
+checkpoint and the whole run goes back with it (its losses then continue as single-process
+training from that checkpoint would), or, with no checkpoint anywhere, waits in a visible
+'lost' state instead of silently starting again from the seed."""
+
+import itertools
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from swarmtrain.train.data import TokenBatches, stdlib_text
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from tests.conftest import TINY_GPT, assert_losses_match_reference, reference_losses, wait_until
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+SEED = 5
+OPTIMIZER = OptimizerConfig(name="adamw", lr=1e-2)
+BATCH = BatchConfig(microbatch_size=4, microbatches_per_step=4, max_in_flight=4)
+STILL = ("--rebalance-every", "0")
+
+
+def microbatches() -> list:
+    batches = TokenBatches(stdlib_text(2**20), seq_len=TINY_GPT["seq_len"], microbatch_size=4, seed=SEED)
+    return list(itertools.islice(iter(batches), 40))
+
+
+def two_stage_swarm(local_swarm, *coordinator_args: str):
+    return local_swarm(
+        model_config=TINY_GPT,
+        num_stages=2,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batch=BATCH,
+        stage_args={0: STILL, 1: STILL},
+        coordinator_args=coordinator_args,
+    )
+
+
+def records_of(trainer) -> list:
+    return trainer.node.peers(trainer.manifest.run_id)
+
+
+def kill_stage(swarm, trainer, stage: int) -> None:
+    """kill -9 the stage's only replica (its DHT process and daemon too); wait until its record is gone."""
+    name = next(n for n in swarm.procs if n.startswith(f"stage{stage}-"))
+    dead = swarm.wait_ready(name)
+    swarm.signal(name, signal.SIGKILL)
+    wait_until(
+        lambda: dead not in {r.peer_id for r in records_of(trainer)},
+        timeout_s=30,
+        what=f"the record of stage {stage}'s killed replica to expire",
+    )
+
+
+def test_a_lost_stage_comes_back_from_its_checkpoint_and_the_run_goes_back_with_it(local_swarm):
+    swarm = two_stage_swarm(local_swarm, "--checkpoint-every", "3")
+    data = microbatches()
+    m = BATCH.microbatches_per_step
+    with swarm.trainer() as trainer:
+        it = iter(data)
+        before = list(trainer.train(it, steps=5))  # steps 0-4; every stage checkpoints after step 2
+        held = {r.stage: r.checkpoints for r in records_of(trainer) if r.role == "stage"}
+        assert held == {0: (3,), 1: (3,)}, held
+        kill_stage(swarm, trainer, 1)
+        swarm.spawn_stage(1, extra_args=STILL)  # its disk still holds the killed replica's checkpoints
+        after = list(trainer.train(it, steps=3))
+    assert [r.step for r in before] == [0, 1, 2, 3, 4]
+    assert [r.step for r in after] == [6, 7, 8]  # step numbers never go back; step 5 went to the rollback
+    assert "stage(s) 1 lost every replica" in after[0].rolled_back
+    assert "checkpoint of step 3" in after[0].rolled_back and "losing 2 step(s)" in after[0].rolled_back
+    assert [r.rolled_back for r in before + after[1:]] == [""] * 7
+    assert all(r.completed == m and r.dropped == 0 for r in before + after)
+    # single-process training of 3 steps (the checkpoint), then the data the trainer fed after
+    resumed = data[: 3 * m] + data[5 * m : 8 * m]
+    reference = reference_losses(
+        seed=SEED, optimizer=OPTIMIZER, batches=iter(resumed), steps=6, microbatches_per_step=m
+    )
+    assert_losses_match_reference(before[:3], SimpleNamespace(losses=reference.losses[:3]))
+    assert_losses_match_reference(after, SimpleNamespace(losses=reference.losses[3:]))
+
+
+def test_a_lost_stage_with_no_checkpoint_waits_visibly_instead_of_starting_from_the_seed(local_swarm):
+    swarm = two_stage_swarm(local_swarm, "--checkpoint-every", "0")
+    with swarm.trainer() as trainer:
+        list(trainer.train(iter(microbatches()), steps=2))
+        kill_stage(swarm, trainer, 1)
+        name = swarm.spawn_stage(1, extra_args=STILL, wait=False)
+        wait_until(
+            lambda: any(r.stage == 1 and r.state == "lost" for r in records_of(trainer)),
+            timeout_s=60,
+            what="the new stage-1 peer to announce the stage lost",
+        )
+        assert not any(r.stage == 1 and r.state == "serving" for r in records_of(trainer))
+    wait_until(lambda: "lost its last replica" in swarm.log_tail(name, 40), timeout_s=10, what="the warning")
+    assert "--allow-reinit" in swarm.log_tail(name, 40)
