@@ -169,6 +169,22 @@ def coordinator(
             "from the run seed (default: it waits, shown as lost).",
         ),
     ] = False,
+    init_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="Start every stage from the model in this directory (`swarmtrain export`'s output) "
+            "instead of the seed; each stage peer reads its own tensors from it.",
+            show_default="the run seed",
+        ),
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            help="Start the run again from this run checkpoint (`swarmtrain export --resumable`): its "
+            "settings, optimizer state and step; the flags that shape the run are ignored.",
+            show_default="a new run",
+        ),
+    ] = None,
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     verbose: Verbose = False,
@@ -182,6 +198,12 @@ def coordinator(
 
     def main() -> None:
         from swarmtrain.cli.options import check_run_owner_flag
+        from swarmtrain.errors import ConfigError
+
+        if init_from is not None and resume is not None:
+            raise ConfigError(
+                "give --init-from (weights only, a new run) or --resume (the whole run), not both"
+            )
         from swarmtrain.trust.identity import Identity, default_identity_path
 
         trust = trust_settings("coordinator", identity, swarm_key)
@@ -218,6 +240,8 @@ def coordinator(
             loss=loss,
             checkpoint_every=checkpoint_every,
             allow_reinit=allow_reinit,
+            init_from=None if (init_from or resume) is None else str(resume or init_from),
+            resume=resume is not None,
             dashboard=None
             if dashboard_port is None
             else DashboardConfig(host=dashboard_host, port=dashboard_port),

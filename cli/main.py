@@ -35,7 +35,7 @@ from swarmtrain.cli.options import (  # noqa: E402
     setup_logging,
     trust_settings,
 )
-from swarmtrain.cli.tools import demo, probe, status  # noqa: E402
+from swarmtrain.cli.tools import demo, export, probe, status  # noqa: E402
 from swarmtrain.errors import SwarmError  # noqa: E402
 
 app = typer.Typer(
@@ -264,6 +264,8 @@ def train(
                 else:
                     extra = f"  {result.replays} replayed" if result.replays else ""
                     extra += f"  {result.dropped} dropped" if result.dropped else ""
+                    if result.rolled_back:
+                        typer.echo(f"rolled back: {result.rolled_back}")
                     typer.echo(
                         f"step {result.step:5d}  loss {result.loss:.4f}  {result.tokens_per_s:8.0f} tokens/s{extra}"
                     )
@@ -271,7 +273,7 @@ def train(
     run_guarded(main)
 
 
-for command in (probe, status, demo, keygen, whoami):  # after the roles in --help
+for command in (probe, status, export, demo, keygen, whoami):  # after the roles in --help
     app.command()(command)
 
 

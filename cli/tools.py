@@ -4,6 +4,7 @@ or run a whole one here, rather than take a role in one."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -103,6 +104,67 @@ def status(
             from rich.console import Console
 
             Console().print(render_status(report))
+
+    run_guarded(main)
+
+
+def export(
+    initial_peers: InitialPeers,
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory to write the model to (replaced if it exists).")
+    ],
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id",
+            help="Run to export.",
+            show_default="the only run the swarm announces",
+            callback=check_run_id_flag,
+        ),
+    ] = None,
+    resumable: Annotated[
+        bool,
+        typer.Option(
+            "--resumable",
+            help="Write a run checkpoint: the optimizer state and the run's settings too, for "
+            "`coordinator --resume DIR`.",
+        ),
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option(min=1.0, help="Seconds to wait for every stage to answer at one step.")
+    ] = 120.0,
+    identity: Annotated[
+        Path | None,
+        typer.Option(
+            help="Key to read the stages' parameters with: the run's owner, one of its trainers, or a "
+            "member of its stages.",
+            show_default="this machine's trainer key",
+        ),
+    ] = None,
+    swarm_key: SwarmKeyPath = None,
+    run_owner: RunOwner = None,
+    verbose: Verbose = False,
+) -> None:
+    """Write a run's current model to a directory: safetensors plus the builder and its options."""
+    setup_logging(verbose)
+    from swarmtrain.peers.export import export_model
+    from swarmtrain.swarm import NodeConfig
+    from swarmtrain.trust.identity import Identity, default_identity_path
+    from swarmtrain.trust.swarmkey import load_swarm_key
+
+    def main() -> None:
+        if swarm_key is not None:
+            load_swarm_key(swarm_key)
+        key = Identity.load(identity or default_identity_path("trainer"))
+        node = NodeConfig(
+            initial_peers=tuple(initial_peers),
+            client_mode=True,
+            identity_path=str(key.path),
+            swarm_key_path=None if swarm_key is None else str(swarm_key),
+            run_owner=run_owner,
+        )
+        done = export_model(node, run_id, out, resumable=resumable, timeout_s=timeout)
+        typer.echo(f"exported step {done.step} ({done.num_params:,} parameters) to {done.out}")
 
     run_guarded(main)
 

@@ -16,11 +16,13 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from torch import Tensor
 
 from swarmtrain.train import checkpoint as ckpt
+from swarmtrain.train.archive import read_meta, stage_init_state
 from swarmtrain.trust.identity import data_dir
 from swarmtrain.wire.records import MAX_CHECKPOINTS_LISTED, PeerRecord, RunManifest
 
@@ -124,14 +126,15 @@ class StageCheckpointer:
             await asyncio.gather(self._writing, return_exceptions=True)
 
 
-def run_progressed(records: list[PeerRecord], committed: int | None, stage: int) -> bool:
-    """Whether the run is past its start: a trainer it authorizes committed a step, or a replica
-    of another stage claims a step past 0. A stage nobody serves is then lost, not new: its
-    seed initialisation would silently throw away what it learned. (A claim alone can only make
-    a peer wait, visibly, never reset a stage.)"""
-    if committed is not None:
+def run_progressed(records: list[PeerRecord], committed: int | None, stage: int, *, start: int = 0) -> bool:
+    """Whether the run is past its start (step `start`: 0, or the step a resumed run starts at):
+    a trainer it authorizes committed a step from there, or a replica of another stage claims a
+    step past it. A stage nobody serves is then lost, not new: starting it again would silently
+    throw away what it learned. (A claim alone can only make a peer wait, visibly, never reset
+    a stage.)"""
+    if committed is not None and committed >= start:
         return True
-    return any(r.role == "stage" and r.stage != stage and r.step > 0 for r in records)
+    return any(r.role == "stage" and r.stage != stage and r.step > start for r in records)
 
 
 def checkpoint_sources(
@@ -151,11 +154,21 @@ async def bring_back(peer, points) -> bool:
     """Nobody serves this stage. In a new run the seed's initialisation is its state; in a run
     past its start the stage was lost: it comes back from the newest checkpoint of it in the
     swarm, else waits in the 'lost' state (or starts again from the seed if the run allows)."""
-    run_id, warned = peer.manifest.run_id, False
+    manifest, warned = peer.manifest, False
+    run_id, init_from = manifest.run_id, manifest.init_from
+    start = int(read_meta(init_from)["step"]) if init_from and manifest.resume else 0
     while not peer._stop.is_set():
         records = await peer.node.peers_async(run_id)
-        if not run_progressed(records, peer._claims.committed(points), peer.stage):
-            return False
+        if not run_progressed(records, peer._claims.committed(points), peer.stage, start=start):
+            if init_from is None:
+                return False  # a new run: the seed's initialisation
+            read = partial(
+                stage_init_state, init_from, list(peer.runner.named_params), resume=manifest.resume
+            )
+            state, step = await asyncio.get_running_loop().run_in_executor(None, read)
+            await peer.service.install_state(state, step)
+            logger.info("stage %d starts from %s at step %d", peer.stage, init_from, step)
+            return True
         local = peer.checkpoints.held(peer.stage)
         for step, holder in checkpoint_sources(records, peer.stage, local, peer.peer_id):
             if holder == peer.peer_id:

@@ -7,9 +7,11 @@ so `swarmtrain status` can find it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import swarmtrain
 from swarmtrain.errors import ConfigError
@@ -17,6 +19,7 @@ from swarmtrain.model import build_model
 from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.dashboard.config import DashboardConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
+from swarmtrain.train.archive import RUN_FORMAT, read_meta
 from swarmtrain.wire.keys import MANIFEST_TTL_S
 from swarmtrain.wire.records import (
     BatchConfig,
@@ -67,6 +70,11 @@ class CoordinatorConfig:
     """Stage replicas checkpoint their stage every this many steps (0: never)."""
     allow_reinit: bool = False
     """A lost stage with no checkpoint anywhere starts again from the seed instead of waiting."""
+    init_from: str | None = None
+    """A model directory every stage starts from (`swarmtrain export`'s output), instead of the seed."""
+    resume: bool = False
+    """`init_from` is a run checkpoint: the run starts again from it, its settings, optimizer
+    state and step included (the flags that shape the run are ignored)."""
     republish_s: float = 10.0
     """Seconds between republications of the manifest."""
     dashboard: DashboardConfig | None = None
@@ -83,6 +91,8 @@ class CoordinatorConfig:
 def make_manifest(config: CoordinatorConfig) -> RunManifest:
     """The run's manifest; builds the model on the meta device to count its blocks and to
     check that the loss is registered and fits the model's output (ConfigError otherwise)."""
+    if config.init_from is not None:
+        return _manifest_from(config)
     own_model = NO_IMPORTS.allowing(config.model)  # the owner's choice: no other import path
     model = build_model(config.model, config.model_config, device="meta", sources=own_model)
     model.loss_input_specs(config.loss)
@@ -103,6 +113,29 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         checkpoint_every=config.checkpoint_every,
         allow_reinit=config.allow_reinit,
     )
+
+
+def _manifest_from(config: CoordinatorConfig) -> RunManifest:
+    """The manifest of a run that starts from a model directory (--init-from) or resumes from a
+    run checkpoint (--resume); ConfigError when the directory does not fit."""
+    where = str(Path(config.init_from).resolve())
+    meta = read_meta(where)
+    if config.resume:
+        if meta["format"] != RUN_FORMAT:
+            raise ConfigError(
+                f"{where} is an exported model, not a run checkpoint: start a run from it with --init-from, "
+                "or write a resumable one with `swarmtrain export --resumable`"
+            )
+        manifest = RunManifest.from_dict(meta["manifest"] | {"trainers": list(config.trainers)})
+        return dataclasses.replace(manifest, init_from=where, resume=True)
+    model, options = meta["model"], meta["model_config"]
+    if (model, options) != (config.model, dict(config.model_config)):
+        raise ConfigError(
+            f"{where} holds model {model!r} with options {options}: start the run with that --model and "
+            f"--model-config (not {config.model!r} with {dict(config.model_config)})"
+        )
+    manifest = make_manifest(dataclasses.replace(config, init_from=None))
+    return dataclasses.replace(manifest, init_from=where)
 
 
 class Coordinator:

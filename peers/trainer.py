@@ -14,7 +14,6 @@ driven from a plain Python loop over the user's own data.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -193,7 +192,8 @@ class Trainer:
     async def _replicas_at_step(
         self, stages: list[int] | None = None, *, step: int | None = None, wait: bool = True
     ) -> dict[int, list[str]]:
-        """Serving replicas of each of `stages` (default: all) at `step` (default: the trainer's).
+        """Serving replicas of each of `stages` (default: all) at `step` (default: the trainer's;
+        -1: any step).
 
         Waits up to wait_for_stages_s for every stage asked for to have one. A replica whose
         record is a heartbeat behind counts if its last commit reply said it is at `step`;
@@ -208,7 +208,7 @@ class Trainer:
                 k: [
                     r.peer_id
                     for r in by_stage.get(k, [])
-                    if self._step_of(r) == step or r.served == r.step == 0
+                    if self._step_of(r) == step or r.served == r.step == 0 or step < 0
                 ]
                 for k in stages
             }
@@ -353,8 +353,7 @@ class Trainer:
         Raises StepFailedError when a step cannot complete.
         """
         it = iter(batches)
-        with contextlib.suppress(RollbackNeeded):  # done before the first step
-            self._run(self._replicas_at_step())
+        self._run(self._replicas_at_step(step=-1))  # a replica of every stage, at whatever step
         self._run(self._sync_step())
         m = self.manifest.batch.microbatches_per_step
         for _ in range(steps):

@@ -95,3 +95,61 @@ def test_a_lost_stage_with_no_checkpoint_waits_visibly_instead_of_starting_from_
         assert not any(r.stage == 1 and r.state == "serving" for r in records_of(trainer))
     wait_until(lambda: "lost its last replica" in swarm.log_tail(name, 40), timeout_s=10, what="the warning")
     assert "--allow-reinit" in swarm.log_tail(name, 40)
+
+
+def step_loss(model, microbatches) -> float:
+    """The loss a step over `microbatches` reports: the mean of their losses, before the update."""
+    import torch
+
+    from swarmtrain.train.data import loss_inputs_of
+
+    with torch.no_grad():
+        losses = [float(model(*loss_inputs_of(mb))) for mb in microbatches]
+    return sum(losses) / len(losses)
+
+
+def export(swarm, out, *flags: str) -> str:
+    """`swarmtrain export` as a user runs it, with the run's second trainer key."""
+    import subprocess
+
+    from swarmtrain.peers.launcher import cli_command
+
+    args = ["export", "--initial-peers", swarm.address, "--out", str(out), *flags]
+    args += ["--identity", str(swarm.trainer_identity(1))]
+    done = subprocess.run(cli_command(*args), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_export_reload_resume_and_init_from(local_swarm, tmp_path):
+    import pytest as _pytest
+
+    from swarmtrain.peers.export import load_exported
+
+    data = microbatches()
+    m = BATCH.microbatches_per_step
+    first = two_stage_swarm(local_swarm)
+    with first.trainer() as trainer:
+        it = iter(data)
+        before = list(trainer.train(it, steps=3))
+        assert "exported step 3" in export(first, tmp_path / "model")
+        export(first, tmp_path / "run", "--resumable")
+        on = list(trainer.train(it, steps=1))  # step 3
+    first.close()
+    model = load_exported(tmp_path / "model")  # one process, no swarm: the swarm's loss
+    assert step_loss(model, data[3 * m : 4 * m]) == _pytest.approx(on[0].loss, rel=1e-5)
+
+    resumed = two_stage_swarm(local_swarm, "--resume", str(tmp_path / "run"))
+    with resumed.trainer() as trainer:
+        after = list(trainer.train(iter(data[3 * m :]), steps=3))
+    resumed.close()
+    assert [r.step for r in after] == [3, 4, 5]
+    reference = reference_losses(
+        seed=SEED, optimizer=OPTIMIZER, batches=iter(data), steps=6, microbatches_per_step=m
+    )
+    assert_losses_match_reference(before + after, reference)  # as if it had never stopped
+
+    started = two_stage_swarm(local_swarm, "--init-from", str(tmp_path / "model"))
+    with started.trainer() as trainer:
+        (fresh,) = trainer.train(iter(data[3 * m :]), steps=1)
+    assert fresh.step == 0 and fresh.loss == _pytest.approx(on[0].loss, rel=1e-5)

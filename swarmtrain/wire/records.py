@@ -124,10 +124,22 @@ class RunManifest:
     allow_reinit: bool = False
     """A stage that lost its last replica, with no checkpoint of it anywhere, starts again from
     the run seed (False: it waits in the 'lost' state for a checkpoint to appear)."""
+    init_from: str | None = None
+    """A directory every stage peer reads its starting state from (only its own tensors): an
+    exported model or a run checkpoint (`swarmtrain.train.archive`); None: the run seed."""
+    resume: bool = False
+    """With `init_from` a run checkpoint: take its optimizer state and step too (the run goes on
+    where it stopped) instead of its parameters alone."""
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self):
         check_run_id(self.run_id)
+        if self.init_from is not None and (
+            not isinstance(self.init_from, str) or not 0 < len(self.init_from) <= 4096
+        ):
+            raise ConfigError(f"manifest: init_from must be a directory path, got {self.init_from!r}")
+        if not isinstance(self.resume, bool) or (self.resume and self.init_from is None):
+            raise ConfigError("manifest: resume must be true or false, and true only with init_from")
         if (
             not isinstance(self.checkpoint_every, int)
             or isinstance(self.checkpoint_every, bool)
@@ -218,6 +230,8 @@ class RunManifest:
             "trainers": list(self.trainers),
             "checkpoint_every": self.checkpoint_every,
             "allow_reinit": self.allow_reinit,
+            "init_from": self.init_from,
+            "resume": self.resume,
             "wire_version": self.wire_version,
         }
 
