@@ -40,6 +40,7 @@ from swarmtrain.swarm import SwarmNode, stage_replicas
 from swarmtrain.train.authority import RunAuthority, StepClaims
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.placement import choose_stage, stage_memory_figures
+from swarmtrain.train.run_length import finished_message, is_finished
 from swarmtrain.train.service import StageService
 from swarmtrain.train.serving import ServeCounters
 from swarmtrain.train.stage_runner import StageRunner
@@ -82,6 +83,8 @@ class StagePeer:
         self._faults = FaultInjector(config.fault)
         self.on_serving = lambda: None
         """Called once the peer is announced and takes requests (serving or standing by)."""
+        self.on_finished = lambda message: logger.info("%s", message)
+        """Called with a line for people once the peer applied the run's last step, as it leaves."""
 
     @property
     def peer_id(self) -> str:
@@ -169,7 +172,8 @@ class StagePeer:
         self.on_serving()
         beats = asyncio.create_task(self._heartbeats())
         await self._stop.wait()
-        await self._drain()
+        if self.state != "finished":  # a finished replica has nothing in flight, nor will have
+            await self._drain()
         for task in (beats, self._beat_soon):
             if task is not None:
                 task.cancel()
@@ -192,7 +196,10 @@ class StagePeer:
         )
         self.stage = stage
         self.runner = runner = StageRunner(
-            module, manifest.optimizer, microbatch_size=manifest.batch.microbatch_size
+            module,
+            manifest.optimizer,
+            microbatch_size=manifest.batch.microbatch_size,
+            max_steps=manifest.max_steps,
         )
         state_bytes, act_bytes = self._memory[stage]
         free = float(self.capacity.get("memory_bytes", 2**34)) - state_bytes
@@ -228,7 +235,7 @@ class StagePeer:
                 ),
                 is_draining=lambda: self.state != "serving",
                 on_behind=self.resync_soon,
-                on_applied=self.heartbeat_soon,
+                on_applied=self._on_applied,
             ),
             self.counters,
         )
@@ -301,6 +308,24 @@ class StagePeer:
 
     def heartbeat_soon(self) -> None:
         self._beat_soon = asyncio.create_task(self._heartbeat())
+
+    def _on_applied(self) -> None:
+        """A step was applied: announce the new step, or leave if it was the run's last."""
+        if is_finished(self.runner.step, self.manifest.max_steps) and self.state == "serving":
+            self.state = "finished"
+            self._beat_soon = asyncio.create_task(self._finish())  # its last announcement
+        else:
+            self.heartbeat_soon()
+
+    async def _finish(self) -> None:
+        """This replica applied the run's last step: announce the state 'finished', say so, and
+        stop (`run()` returns; `swarmtrain join` exits with code 0)."""
+        try:
+            await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
+        except Exception as e:  # leaving anyway: the TTL will retire our record
+            logger.warning("could not announce the finished run: %r", e)
+        self.on_finished(finished_message(self.manifest.run_id, self.runner.step))
+        self._stop.set()
 
     def resync_soon(self) -> None:
         """Work of a later step arrived: this replica fell behind; catch up once idle."""

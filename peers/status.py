@@ -27,6 +27,7 @@ STATUS_STYLES = {
     "serving": "green",
     "joining": "yellow",
     "draining": "dark_orange",
+    "finished": "blue",
     "banned": "red",
     "gone": "dim",
 }
@@ -231,6 +232,7 @@ def render_status(status: dict) -> Group:
             f"run {m['run_id']!r}: {m['model']}, {m['num_blocks']} blocks in {m['num_stages']} stages "
             f"{m['stage_bounds']}, schedule {m['schedule']}{', loss ' + m['loss'] if m.get('loss') else ''}, step {step}"
             + (f" of {m['max_steps']}" if m["max_steps"] else "")
+            + (" (finished)" if status["finished"] else "")
         )
         if m["compressed"]:
             headline.append(f"\ncompression: {CompressionConfig.from_dict(m['compression']).describe()}")
