@@ -134,7 +134,8 @@ def join(
     allow_model: AllowModel = None,
     verbose: Verbose = False,
 ) -> None:
-    """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
+    """Join a swarm as a stage peer and serve forward and backward passes until stopped (or
+    until the run's last step)."""
     setup_logging(verbose)
     from swarmtrain.model import ModelSources
     from swarmtrain.peers.probe import parse_bytes, resolve_device
@@ -175,6 +176,7 @@ def join(
             peer.on_serving = lambda: typer.echo(
                 f"serving stage {peer.stage} of run {peer.manifest.run_id!r} on {config.device} as {peer.node.peer_id}"
             )
+        peer.on_finished = typer.echo
         peer.run()
 
     run_guarded(main)

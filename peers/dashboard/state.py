@@ -349,14 +349,14 @@ class SwarmView:
 
     def _finished(self) -> bool:
         """Whether the run applied its last step, as far as the polls seen tell: a stage peer
-        reached it, a trainer reported it, or a peer (the coordinator) announces it."""
+        reached it, a trainer reported it, or the coordinator announces it (a finished
+        coordinator's record carries the run's last step)."""
         m = self.manifest
         if m is None or not m.max_steps:
             return False
         trained = [s[-1].step + 1 for s in self.trainer_series.values() if s]
-        return max([self._max_step, *trained]) >= m.max_steps or any(
-            r.state == "finished" for r in self.peers.values()
-        )
+        announced = [r.step for r in self.peers.values()]
+        return max([self._max_step, *trained, *announced]) >= m.max_steps
 
     def _series(self) -> dict:
         return {
