@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.model import build_stage
 from swarmtrain.train.optim import clip_coefficient, lr_at
 from swarmtrain.train.run_length import RunFinishedError, is_finished, run_is_over, steps_to_run
+from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.wire.keys import check_record, manifest_key
 from swarmtrain.wire.records import OptimizerConfig, PeerRecord, RunManifest
 
@@ -153,3 +155,31 @@ def test_the_run_is_over_only_by_evidence_a_stranger_cannot_forge():
     assert run_is_over(5, None, [forged, coordinator], OWNER)
     assert not run_is_over(5, None, [coordinator], stranger)
     assert not run_is_over(0, 100, [coordinator], OWNER)  # a run without a step count never is
+
+
+def test_a_replica_that_took_another_s_state_mid_run_steps_at_the_schedule_s_rate():
+    """The rate follows the runner's step, not how many steps it applied itself: a replica that
+    joins mid-run stays bit-identical with the one it took its state from."""
+    cfg = OptimizerConfig(lr=LR, warmup_steps=1, schedule="cosine", min_lr=1e-3)
+    model = {"n_layer": 2, "d_model": 16, "n_head": 2, "seq_len": 8}
+
+    def runner() -> StageRunner:
+        module = build_stage("tiny-gpt", model, 0, 2, num_blocks=2, seed=3)
+        return StageRunner(module, cfg, microbatch_size=2, max_steps=4)
+
+    def step(r: StageRunner, n: int) -> None:
+        x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(n))
+        r.forward_loss_backward(f"t:{n}.0:0", x, {"targets": x}, 1.0)
+        r.fold(r.step, fresh={f"t:{n}.0:0"}, take=[])
+        r.apply_step(r.step)
+
+    first = runner()
+    for n in range(2):
+        step(first, n)
+        assert first.optimizer.param_groups[0]["lr"] == lr_at(cfg, n, 4)
+    joined = runner()
+    joined.import_state(first.export_state(), first.step)
+    step(first, 2)
+    step(joined, 2)
+    assert joined.optimizer.param_groups[0]["lr"] == lr_at(cfg, 2, 4) < LR
+    assert joined.param_digest() == first.param_digest()
