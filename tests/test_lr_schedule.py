@@ -37,7 +37,7 @@ def test_cosine_decays_from_the_learning_rate_to_min_lr_at_the_last_step():
     cfg = OptimizerConfig(lr=LR, warmup_steps=2, schedule="cosine", min_lr=1e-3)
     values = lrs(cfg, 11)
     assert values[:2] == pytest.approx([LR / 2, LR])
-    assert values[2] == pytest.approx(LR)  # the decay starts where warmup ends
+    assert values[2] == LR  # the decay starts where warmup ends
     assert values[6] == pytest.approx((LR + 1e-3) / 2)  # halfway through the decay
     assert values[10] == 1e-3  # the run's last step
     assert all(a > b for a, b in zip(values[2:], values[3:]))
@@ -47,6 +47,7 @@ def test_cosine_decays_from_the_learning_rate_to_min_lr_at_the_last_step():
 def test_cosine_without_warmup_and_a_one_step_run():
     cfg = OptimizerConfig(lr=LR, schedule="cosine")
     assert lrs(cfg, 3) == pytest.approx([LR, LR / 2, 0.0])
+    assert lrs(cfg, 3)[0] == LR and lrs(cfg, 3)[2] == 0.0
     assert lrs(cfg, 1) == [0.0]  # the only step is the last one
 
 

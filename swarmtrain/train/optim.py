@@ -48,8 +48,10 @@ def lr_at(cfg: OptimizerConfig, step: int, max_steps: int) -> float:
         return cfg.lr
     assert cfg.schedule == "cosine" and max_steps > 0, (cfg.schedule, max_steps)
     span = max_steps - 1 - cfg.warmup_steps
-    progress = 1.0 if span <= 0 else min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+    progress = 1.0 if span <= 0 else (step - cfg.warmup_steps) / span
+    if progress >= 1.0:
+        return cfg.min_lr
+    return cfg.lr - 0.5 * (1.0 - math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)  # lr exactly at 0
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
