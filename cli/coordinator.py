@@ -64,6 +64,25 @@ def coordinator(
     weight_decay: Annotated[
         float, typer.Option(help="Decoupled (AdamW-style) weight decay coefficient, >= 0; 0 turns it off.")
     ] = 0.0,
+    warmup_steps: Annotated[
+        int, typer.Option(help="Steps of linear learning-rate warmup, from --lr/N up to --lr; 0: none.")
+    ] = 0,
+    lr_schedule: Annotated[
+        str,
+        typer.Option(
+            help="Learning rate after warmup: constant, or cosine (down to --min-lr at the run's last "
+            "step; needs --steps)."
+        ),
+    ] = "constant",
+    min_lr: Annotated[
+        float, typer.Option(help="Learning rate the cosine schedule ends at, 0 to --lr.")
+    ] = 0.0,
+    max_grad_norm: Annotated[
+        float,
+        typer.Option(
+            help="Clip the gradient of the whole model (all stages together) to this L2 norm; 0: off."
+        ),
+    ] = 0.0,
     microbatch_size: Annotated[
         int, typer.Option(help="Sequences per microbatch, each the model's seq_len tokens long; >= 1.")
     ] = 8,
@@ -76,7 +95,12 @@ def coordinator(
     seed: Annotated[
         int, typer.Option(help="Run seed (an integer): model initialisation and data order.")
     ] = 0,
-    steps: Annotated[int, typer.Option(help="Optimizer steps the run aims for; 0 means until stopped.")] = 0,
+    steps: Annotated[
+        int,
+        typer.Option(
+            help="Optimizer steps the run lasts (trainers and stage peers stop after the last); 0: until stopped."
+        ),
+    ] = 0,
     schedule: Annotated[
         str,
         typer.Option(
@@ -222,7 +246,15 @@ def coordinator(
             model_config=parse_model_config(model_config),
             num_stages=stages,
             stage_bounds=parse_stage_bounds(stage_bounds),
-            optimizer=OptimizerConfig(name=optimizer, lr=lr, weight_decay=weight_decay),
+            optimizer=OptimizerConfig(
+                name=optimizer,
+                lr=lr,
+                weight_decay=weight_decay,
+                warmup_steps=warmup_steps,
+                schedule=lr_schedule,
+                min_lr=min_lr,
+                max_grad_norm=max_grad_norm,
+            ),
             batch=BatchConfig(
                 microbatch_size=microbatch_size,
                 microbatches_per_step=microbatches_per_step,

@@ -144,7 +144,8 @@ def join(
     allow_model: AllowModel = None,
     verbose: Verbose = False,
 ) -> None:
-    """Join a swarm as a stage peer and serve forward and backward passes until stopped."""
+    """Join a swarm as a stage peer and serve forward and backward passes until stopped (or
+    until the run's last step)."""
     setup_logging(verbose)
     from swarmtrain.model import ModelSources
     from swarmtrain.peers.probe import parse_bytes, resolve_device
@@ -187,6 +188,7 @@ def join(
             peer.on_serving = lambda: typer.echo(
                 f"serving stage {peer.stage} of run {peer.manifest.run_id!r} on {config.device} as {peer.node.peer_id}"
             )
+        peer.on_finished = typer.echo
         peer.run()
 
     run_guarded(main)
@@ -202,7 +204,9 @@ def _write_atomic(path: Path, text: str) -> None:
 def train(
     initial_peers: InitialPeers,
     run_id: RunId = None,
-    steps: Annotated[int, typer.Option(help="Optimizer steps to run, then exit.")] = 100,
+    steps: Annotated[
+        int, typer.Option(help="Optimizer steps to run, then exit (sooner at the run's last step).")
+    ] = 100,
     data: Annotated[
         str,
         typer.Option(
@@ -232,6 +236,7 @@ def train(
     from swarmtrain.peers.trainer import Trainer, TrainerConfig
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.train.data import text_batches_for
+    from swarmtrain.train.run_length import last_step_message
 
     def main() -> None:
         if threads:
@@ -259,16 +264,23 @@ def train(
                         "replay_causes": result.replay_causes,
                         "dropped_causes": result.dropped_causes,
                         "window": result.window,
+                        "lr": result.lr,
+                        "grad_norm": result.grad_norm,
                     }
                     typer.echo(json.dumps(record))
                 else:
                     extra = f"  {result.replays} replayed" if result.replays else ""
                     extra += f"  {result.dropped} dropped" if result.dropped else ""
+                    extra += f"  grad norm {result.grad_norm:.3g}" if result.grad_norm is not None else ""
                     if result.rolled_back:
                         typer.echo(f"rolled back: {result.rolled_back}")
                     typer.echo(
-                        f"step {result.step:5d}  loss {result.loss:.4f}  {result.tokens_per_s:8.0f} tokens/s{extra}"
+                        f"step {result.step:5d}  loss {result.loss:.4f}  lr {result.lr:.3g}  "
+                        f"{result.tokens_per_s:8.0f} tokens/s{extra}"
                     )
+            if trainer.finished:  # on stderr with --jsonl, so stdout stays JSON lines
+                m = trainer.manifest
+                typer.echo(last_step_message(m.run_id, m.max_steps), err=jsonl)
 
     run_guarded(main)
 

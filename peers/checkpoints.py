@@ -64,11 +64,17 @@ class StageCheckpointer:
         every = self.manifest.checkpoint_every
         return every > 0 and step > 0 and step % every == 0
 
-    def after_apply(self, runner, scheduler, stage: int) -> None:
-        """The replica applied a step: checkpoint it if due (in the background)."""
-        if not self.due(runner.step) or (self._writing is not None and not self._writing.done()):
+    def after_apply(self, runner, scheduler, stage: int, *, force: bool = False) -> None:
+        """The replica applied a step: checkpoint it if due or `force` (in the background)."""
+        writing = self._writing if self._writing is not None and not self._writing.done() else None
+        if not (force or self.due(runner.step)) or (writing is not None and not force):
             return
-        self._writing = asyncio.create_task(self.save(runner, scheduler, stage))
+        self._writing = asyncio.create_task(self._after(writing, runner, scheduler, stage))
+
+    async def _after(self, writing: asyncio.Task | None, runner, scheduler, stage: int) -> None:
+        if writing is not None:
+            await asyncio.gather(writing, return_exceptions=True)
+        await self.save(runner, scheduler, stage)
 
     async def save(self, runner, scheduler, stage: int) -> Path | None:
         """Copy the state on the compute thread, write it on a worker thread; the directory written."""

@@ -2,7 +2,8 @@
 
 It is not a master. Once peers have joined, training goes on without it; while it runs it
 republishes the manifest so the record outlives any single peer, and it announces itself
-so `swarmtrain status` can find it.
+so `swarmtrain status` can find it. Once an authorized trainer reports the run's last step
+committed, it announces the run finished (its record's state), which refuses new trainers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.dashboard.config import DashboardConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.train.archive import RUN_FORMAT, read_meta
+from swarmtrain.train.authority import committed_step, read_points
+from swarmtrain.train.run_length import run_is_over
 from swarmtrain.wire.keys import MANIFEST_TTL_S
 from swarmtrain.wire.records import (
     BatchConfig,
@@ -155,6 +158,8 @@ class Coordinator:
                 self.node.shutdown()
                 raise
         self._closed = threading.Event()
+        self.finished = False
+        """The run's last step was committed (`run_length.run_is_over`); announced in the record."""
         self._publish()
         self._thread = threading.Thread(target=self._republish, name="coordinator-publish", daemon=True)
         self._thread.start()
@@ -169,9 +174,21 @@ class Coordinator:
         return self.addresses[0]
 
     def _publish(self) -> None:
-        self.node.publish_manifest(self.manifest, ttl_s=MANIFEST_TTL_S)
-        record = PeerRecord(peer_id=self.node.peer_id, role="coordinator", version=swarmtrain.__version__)
-        self.node.announce(self.manifest.run_id, record, ttl_s=3 * self.config.republish_s)
+        m = self.manifest
+        self.node.publish_manifest(m, ttl_s=MANIFEST_TTL_S)
+        if m.max_steps and not self.finished:
+            committed = committed_step(read_points(self.node.trainer_points(m.run_id)), m.trainers or None)
+            self.finished = run_is_over(m.max_steps, committed, [], None)
+            if self.finished:
+                logger.info("run %r finished: a trainer committed its last step (%d)", m.run_id, m.max_steps)
+        record = PeerRecord(
+            peer_id=self.node.peer_id,
+            role="coordinator",
+            version=swarmtrain.__version__,
+            state="finished" if self.finished else "serving",
+            step=m.max_steps if self.finished else 0,
+        )
+        self.node.announce(m.run_id, record, ttl_s=3 * self.config.republish_s)
 
     def _republish(self) -> None:
         while not self._closed.wait(self.config.republish_s):

@@ -37,6 +37,8 @@ class LocalSwarmConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     seed: int = 0
+    max_steps: int = 0
+    """Steps the run lasts (the coordinator's --steps); 0: until stopped."""
     schedule: str = "readiness"
     """'readiness' or 'static' (the run manifest's schedule)."""
     compression: CompressionConfig = field(default_factory=CompressionConfig)
@@ -172,10 +174,15 @@ class LocalSwarm:
                 "--optimizer", cfg.optimizer.name,
                 "--lr", str(cfg.optimizer.lr),
                 "--weight-decay", str(cfg.optimizer.weight_decay),
+                "--warmup-steps", str(cfg.optimizer.warmup_steps),
+                "--lr-schedule", cfg.optimizer.schedule,
+                "--min-lr", str(cfg.optimizer.min_lr),
+                "--max-grad-norm", str(cfg.optimizer.max_grad_norm),
                 "--microbatch-size", str(cfg.batch.microbatch_size),
                 "--microbatches-per-step", str(cfg.batch.microbatches_per_step),
                 "--max-in-flight", str(cfg.batch.max_in_flight),
                 "--seed", str(cfg.seed),
+                "--steps", str(cfg.max_steps),
                 "--schedule", cfg.schedule,
                 "--compress-activations", cfg.compression.activations,
                 "--compress-gradients", cfg.compression.gradients,

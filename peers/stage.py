@@ -45,6 +45,7 @@ from swarmtrain.swarm import SwarmNode, stage_replicas
 from swarmtrain.train.authority import RunAuthority, StepClaims
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.placement import choose_stage, stage_memory_figures
+from swarmtrain.train.run_length import finished_message, is_finished
 from swarmtrain.train.service import StageService
 from swarmtrain.train.serving import ServeCounters
 from swarmtrain.train.stage_runner import StageRunner
@@ -90,6 +91,8 @@ class StagePeer:
         self._faults = FaultInjector(config.fault)
         self.on_serving = lambda: None
         """Called once the peer is announced and takes requests (serving or standing by)."""
+        self.on_finished = lambda message: logger.info("%s", message)
+        """Called with a line for people once the peer applied the run's last step, as it leaves."""
 
     @property
     def peer_id(self) -> str:
@@ -180,7 +183,8 @@ class StagePeer:
         self.on_serving()
         beats = asyncio.create_task(self._heartbeats())
         await self._stop.wait()
-        await self._drain()
+        if self.state != "finished":  # a finished replica has nothing in flight, nor will have
+            await self._drain()
         for task in (beats, self._beat_soon):
             if task is not None:
                 task.cancel()
@@ -203,7 +207,10 @@ class StagePeer:
         )
         self.stage = stage
         self.runner = runner = StageRunner(
-            module, manifest.optimizer, microbatch_size=manifest.batch.microbatch_size
+            module,
+            manifest.optimizer,
+            microbatch_size=manifest.batch.microbatch_size,
+            max_steps=manifest.max_steps,
         )
         state_bytes, act_bytes = self._memory[stage]
         free = float(self.capacity.get("memory_bytes", 2**34)) - state_bytes
@@ -316,12 +323,30 @@ class StagePeer:
     async def _heartbeat(self) -> None:
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=self.config.ttl_s)
 
-    def _on_applied(self) -> None:
-        self.checkpoints.after_apply(self.runner, self.scheduler, self.stage)
-        self.heartbeat_soon()
-
     def heartbeat_soon(self) -> None:
         self._beat_soon = asyncio.create_task(self._heartbeat())
+
+    def _on_applied(self) -> None:
+        """A step was applied: checkpoint it if due; announce the new step, or leave if it was the
+        run's last (checkpointed whatever the cadence: the run's result)."""
+        last = is_finished(self.runner.step, self.manifest.max_steps)
+        self.checkpoints.after_apply(self.runner, self.scheduler, self.stage, force=last)
+        if is_finished(self.runner.step, self.manifest.max_steps) and self.state == "serving":
+            self.state = "finished"
+            self._beat_soon = asyncio.create_task(self._finish())  # its last announcement
+        else:
+            self.heartbeat_soon()
+
+    async def _finish(self) -> None:
+        """This replica applied the run's last step: announce the state 'finished', say so, and
+        stop (`run()` returns; `swarmtrain join` exits with code 0)."""
+        try:
+            await asyncio.wait_for(self._heartbeat(), timeout=self.config.ttl_s)
+        except Exception as e:  # leaving anyway: the TTL will retire our record
+            logger.warning("could not announce the finished run: %r", e)
+        await self.checkpoints.wait()
+        self.on_finished(finished_message(self.manifest.run_id, self.runner.step))
+        self._stop.set()
 
     def resync_soon(self) -> None:
         """Work of a later step arrived: this replica fell behind; catch up once idle."""

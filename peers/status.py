@@ -28,6 +28,7 @@ STATUS_STYLES = {
     "joining": "yellow",
     "draining": "dark_orange",
     "lost": "magenta",
+    "finished": "blue",
     "banned": "red",
     "gone": "dim",
 }
@@ -232,6 +233,7 @@ def render_status(status: dict) -> Group:
             f"run {m['run_id']!r}: {m['model']}, {m['num_blocks']} blocks in {m['num_stages']} stages "
             f"{m['stage_bounds']}, schedule {m['schedule']}{', loss ' + m['loss'] if m.get('loss') else ''}, step {step}"
             + (f" of {m['max_steps']}" if m["max_steps"] else "")
+            + (" (finished)" if status["finished"] else "")
         )
         if m["compressed"]:
             headline.append(f"\ncompression: {CompressionConfig.from_dict(m['compression']).describe()}")

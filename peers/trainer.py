@@ -30,6 +30,14 @@ from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.train.authority import claim_limit, committed_step, read_points
 from swarmtrain.train.data import loss_inputs_of
 from swarmtrain.train.rollback import RollbackNeeded, RollbackPlan, plan_rollback
+from swarmtrain.train.run_length import (
+    RunFinishedError,
+    finished_error,
+    is_finished,
+    last_step_message,
+    run_is_over,
+    steps_to_run,
+)
 from swarmtrain.train.step import StepFailedError, StepResult, TrainerContext, TrainerStep
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.frames import Frame
@@ -43,7 +51,7 @@ ROLLBACK_TIMEOUT_S = 120.0
 REFRESH_S = 1.0
 """How old the trainer's view of the serving replicas may get before it reads the DHT again."""
 
-__all__ = ["StepFailedError", "StepResult", "Trainer", "TrainerConfig"]
+__all__ = ["RunFinishedError", "StepFailedError", "StepResult", "Trainer", "TrainerConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,18 +351,41 @@ class Trainer:
             max_dropped_fraction=cfg.max_dropped_fraction,
             verify_replicas=cfg.verify_replicas,
             window=self.window.size,
+            optimizer=self.manifest.optimizer,
+            max_steps=self.manifest.max_steps,
         )
+
+    @property
+    def finished(self) -> bool:
+        """Whether this trainer applied the run's last step (its manifest's max_steps)."""
+        return is_finished(self.step, self.manifest.max_steps)
+
+    async def _check_not_over(self) -> None:
+        """Raise RunFinishedError if the run applied its last step (`run_length.run_is_over`)."""
+        m = self.manifest
+        if not m.max_steps:
+            return
+        raw = await asyncio.get_running_loop().run_in_executor(None, self.node.trainer_points, m.run_id)
+        committed = committed_step(read_points(raw), m.trainers or None)
+        records = await self.node.peers_async(m.run_id)
+        if run_is_over(m.max_steps, committed, records, self.node.owner_of(m.run_id)):
+            raise finished_error(m.run_id, m.max_steps)
 
     def train(self, batches: Iterable, *, steps: int) -> Iterator[StepResult]:
         """Run `steps` optimizer steps over microbatches drawn from `batches`; yield each result.
 
         Each item of `batches` is one microbatch with the run's microbatch size: (inputs,
         targets), or (inputs, {name: tensor}) naming every input the run's loss takes.
-        Raises StepFailedError when a step cannot complete.
+        A run with a step count (max_steps) stops at its last step, fewer than `steps` if
+        that comes first (then `finished` is True, and the log says so).
+        Raises StepFailedError when a step cannot complete, RunFinishedError when the run
+        has no step left.
         """
         it = iter(batches)
+        self._run(self._check_not_over())
         self._run(self._replicas_at_step(step=-1))  # a replica of every stage, at whatever step
         self._run(self._sync_step())
+        steps = steps_to_run(self.manifest.run_id, self.step, steps, self.manifest.max_steps)
         m = self.manifest.batch.microbatches_per_step
         for _ in range(steps):
             microbatches = []
@@ -385,4 +416,6 @@ class Trainer:
             self.totals.update(completed=result.completed, replayed=result.replays, dropped=result.dropped)
             self.window.on_step(result.tokens_per_s, timeouts=result.timeouts)
             self._publish(result)
+            if self.finished:
+                logger.info(last_step_message(self.manifest.run_id, self.manifest.max_steps))
             yield result

@@ -30,7 +30,7 @@ _EXPORTS = {
     "StageConfig": "swarmtrain.peers.stage",
     "Trainer": "swarmtrain.peers.trainer",
     "TrainerConfig": "swarmtrain.peers.trainer",
-    "StepResult": "swarmtrain.train.step",
+    "StepResult": "swarmtrain.train.step_result",
     "LocalSwarm": "swarmtrain.peers.launcher",
     "LocalSwarmConfig": "swarmtrain.peers.launcher",
     "NodeConfig": "swarmtrain.swarm",

@@ -70,10 +70,18 @@ def holds_for(condition, *, duration_s: float, what: str) -> None:
 
 
 def reference_losses(
-    *, seed: int, optimizer, batches, steps: int, microbatches_per_step: int, model_config=None
+    *,
+    seed: int,
+    optimizer,
+    batches,
+    steps: int,
+    microbatches_per_step: int,
+    model_config=None,
+    max_steps: int = 0,
 ):
-    """Per-step losses (and final state) of single-process training of tiny-gpt on `batches`:
-    what a swarm's run must match. Returns train_reference's result."""
+    """Per-step losses (and final state) of single-process training of tiny-gpt on `batches`,
+    as steps of a run of `max_steps` (its learning-rate schedule): what a swarm's run must
+    match. Returns train_reference's result."""
     from swarmtrain.train.reference import train_reference
 
     return train_reference(
@@ -84,6 +92,7 @@ def reference_losses(
         batches=batches,
         steps=steps,
         microbatches_per_step=microbatches_per_step,
+        max_steps=max_steps,
     )
 
 

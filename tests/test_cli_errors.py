@@ -139,6 +139,34 @@ CASES = {
         ("coordinator", "--run-id", "bad id!"), ("invalid run id 'bad id!'", "letters, digits")
     ),
     "lr-negative": Case(("coordinator", "--lr", "-1"), ("learning rate must be > 0, got -1.0", "--lr")),
+    "warmup-negative": Case(
+        ("coordinator", "--warmup-steps", "-1"),
+        ("warmup_steps must be an integer >= 0, got -1", "--warmup-steps 0 or more"),
+    ),
+    "warmup-too-long": Case(
+        ("coordinator", "--warmup-steps", "10", "--steps", "10"),
+        ("warmup_steps 10 would last the whole run of 10 steps", "--warmup-steps below --steps"),
+    ),
+    "lr-schedule-unknown": Case(
+        ("coordinator", "--lr-schedule", "linear"),
+        ("unknown learning-rate schedule 'linear'", "'constant' or 'cosine'", "--lr-schedule"),
+    ),
+    "cosine-without-steps": Case(
+        ("coordinator", "--lr-schedule", "cosine"),
+        ("the cosine schedule decays over the run's steps", "--steps N", "--lr-schedule constant"),
+    ),
+    "min-lr-above-lr": Case(
+        ("coordinator", "--lr-schedule", "cosine", "--steps", "100", "--min-lr", "0.1"),
+        ("min_lr 0.1 is above the learning rate 0.003", "--min-lr of at most --lr"),
+    ),
+    "min-lr-without-cosine": Case(
+        ("coordinator", "--min-lr", "0.0001"),
+        ("min_lr 0.0001 ends a cosine schedule", "--lr-schedule cosine"),
+    ),
+    "max-grad-norm-negative": Case(
+        ("coordinator", "--max-grad-norm", "-1"),
+        ("max_grad_norm must be a number >= 0, got -1.0", "--max-grad-norm 0 or more"),
+    ),
     "microbatch-zero": Case(
         ("coordinator", "--microbatch-size", "0"),
         ("microbatch_size must be a positive integer, got 0", "--microbatch-size 1"),

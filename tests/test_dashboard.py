@@ -217,6 +217,21 @@ def test_a_view_started_late_shows_the_swarm_as_it_is_and_matches_the_api_model(
     assert "series" not in present and "events" not in present
 
 
+def test_the_view_keeps_showing_a_finished_run_after_its_stage_peers_left():
+    from swarmtrain.peers.dashboard.api import SwarmSnapshot
+
+    view = SwarmView(ViewConfig(leave_after_missing=1))
+    run = dataclasses.replace(MANIFEST, max_steps=3)
+    view.update([stage_peer(A, 0, step=2), stage_peer(B, 1, step=2)], run, now=1.0)
+    assert view.snapshot()["finished"] is False
+    view.update([stage_peer(A, 0, step=3, state="finished"), stage_peer(B, 1, step=2)], run, now=2.0)
+    snap = view.snapshot()
+    SwarmSnapshot.model_validate(snap)
+    assert snap["finished"] is True and snap["stages"][0]["replicas"][0]["status"] == "finished"
+    view.update([], run, now=3.0)  # they left, as finished stage peers do
+    assert view.snapshot()["finished"] is True
+
+
 def test_a_view_without_manifest_has_peers_but_no_map():
     view = SwarmView()
     view.update([stage_peer(A, 0)], None, now=0.0)

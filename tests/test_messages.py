@@ -12,6 +12,7 @@ from swarmtrain.wire.messages import (
     Apply,
     CommitRequest,
     Exchange,
+    Exchanged,
     ForwardMeta,
     GradsMeta,
     PongMeta,
@@ -40,6 +41,8 @@ RECORDS = [
     ),
     Prepared(fresh=("t:0.0:1", "t:0.0:2"), held=()),
     Exchange(fresh=("t:0.0:1",), take=("t:0.0:3",), group=("QmA", "QmB"), attempt=2),
+    Exchanged(grad_sq_norm=2.25),
+    Exchanged(),
     Apply(grad_scale=1.5, digest=True),
     Applied(digest="abc"),
     Applied(),
@@ -100,6 +103,11 @@ def test_commit_requests_parse_by_phase(request_):
             {"phase": "exchange", "fresh": [], "take": [], "group": ["QmA"], "attempt": 1.0},
             "'attempt' must be an int",
         ),
+        (Exchanged, {"grad_sq_norm": -1.0}, r"'grad_sq_norm' must be a number in \[0, inf\]"),
+        (Exchanged, {"grad_sq_norm": float("nan")}, "'grad_sq_norm' must be a number"),
+        (Exchanged, {"grad_sq_norm": float("inf")}, "'grad_sq_norm' must be a number"),
+        (Exchanged, {"grad_sq_norm": "4"}, "'grad_sq_norm' must be a number"),
+        (Exchanged, {"norm": 4.0}, r"exchanged meta has unknown fields \['norm'\]"),
         (Apply, {"phase": "apply", "grad_scale": 0.0}, r"'grad_scale' must be a number in \(0, 1000"),
         (Apply, {"phase": "apply", "grad_scale": 1.0, "digest": "yes"}, "'digest' must be a bool"),
         (GradsMeta, {"attempt": True}, "'attempt' must be an int"),
@@ -113,7 +121,8 @@ def test_bad_fields_are_refused_by_name(record, meta, match):
 
 def test_an_unknown_commit_phase_is_refused():
     with pytest.raises(
-        BadFrameError, match=r"unknown commit phase 'launch' \(known: prepare, exchange, apply, abort, rollback\)"
+        BadFrameError,
+        match=r"unknown commit phase 'launch' \(known: prepare, exchange, apply, abort, rollback\)",
     ):
         CommitRequest.parse({"phase": "launch"})
     with pytest.raises(BadFrameError, match="unknown commit phase None"):

@@ -62,9 +62,9 @@ def train(config: InProcessConfig, steps: int, *, before=None, between=None):
     return asyncio.run(scenario())
 
 
-def assert_parity(swarm: InProcessSwarm, results) -> None:
+def assert_parity(swarm: InProcessSwarm, results):
     """Losses step by step, and every live replica's parameters, equal single-process training's;
-    every microbatch counted once in every stage."""
+    every microbatch counted once in every stage. Returns the reference's result."""
     m = swarm.manifest
     reference = reference_losses(
         seed=m.seed,
@@ -72,6 +72,7 @@ def assert_parity(swarm: InProcessSwarm, results) -> None:
         batches=iter(batches()),
         steps=len(results),
         microbatches_per_step=m.batch.microbatches_per_step,
+        max_steps=m.max_steps,
     )
     assert_losses_match_reference(results, reference)
     for result in results:
@@ -86,6 +87,7 @@ def assert_parity(swarm: InProcessSwarm, results) -> None:
             torch.testing.assert_close(
                 value, reference.state[key], rtol=0, atol=PARAM_ATOL, msg=f"{name}: {key}"
             )
+    return reference
 
 
 def test_replicated_stages_train_in_parity_and_stay_bit_identical():

@@ -177,7 +177,9 @@ def test_join_mid_run_downloads_state_and_leaves_do_not_stop_training(local_swar
     # kill) than one process sums them, so the file's parameter tolerance applies.
     merged = next(iter(survivors[0].values())) | survivors[1][joiner]
     for key, value in reference.state.items():
-        torch.testing.assert_close(merged[key], value, rtol=0, atol=3e-4)  # the step count varies with the reap
+        torch.testing.assert_close(
+            merged[key], value, rtol=0, atol=3e-4
+        )  # the step count varies with the reap
 
 
 def test_unequal_stages_with_slow_replicas_match_single_process(local_swarm):

@@ -128,3 +128,16 @@ def test_status_names_the_runs_loss_when_the_manifest_names_one():
         read_status(FakeSwarm([weighted], {"dash": PEERS}), None, now=100.0)
     )
     assert ", loss " not in printed(read_status(FakeSwarm([DASH], {"dash": PEERS}), None, now=100.0))
+
+
+def test_status_shows_a_run_finished_once_its_last_step_is_in():
+    short = dataclasses.replace(DASH, max_steps=7)
+    finished = dataclasses.replace(PEERS[0], state="finished", step=7)
+    going = read_status(FakeSwarm([short], {"dash": PEERS}), None, now=100.0)
+    assert not going["finished"] and "(finished)" not in printed(going)
+    done = read_status(FakeSwarm([short], {"dash": [finished, PEERS[1]]}), None, now=100.0)
+    assert done["finished"] and done["peers"][0]["status"] == "finished"
+    assert "step 7 of 7 (finished)" in printed(done)
+    last_point = dataclasses.replace(POINT, step=6)  # a trainer committed the last step; its stages left
+    assert read_status(FakeSwarm([short], {"dash": []}, [last_point]), None, now=100.0)["finished"]
+    assert not read_status(FakeSwarm([DASH], {"dash": [finished]}, [last_point]), None, now=100.0)["finished"]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from swarmtrain.errors import SwarmError
-from swarmtrain.peers.trainer import StepFailedError
+from swarmtrain.peers.trainer import RunFinishedError, StepFailedError
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.train.reference import train_reference
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
@@ -134,3 +134,44 @@ def test_static_schedule_with_a_replicated_stage_matches_single_process(local_sw
     # round-robin: both replicas of stage 1 work (a replica that missed a step while its record
     # spread catches up by taking the other's state, and gets its turns again)
     assert any(swarm.wait_ready(second) in r.work[1] and len(r.work[1]) == 2 for r in results)
+
+
+def test_the_run_ends_at_its_last_step_and_its_stage_peers_leave(local_swarm):
+    """With a step count (--steps 2) and a schedule with clipping: the trainer stops at the last
+    step, the stage peers that applied it exit cleanly, and a trainer started later is refused."""
+    scheduled = OptimizerConfig(lr=1e-2, warmup_steps=1, schedule="cosine", min_lr=1e-3, max_grad_norm=1.0)
+    swarm = local_swarm(
+        model_config=TINY_GPT, num_stages=2, seed=SEED, optimizer=scheduled, batch=BATCH, max_steps=2
+    )
+    stage_peers = [name for name in swarm.procs if name.startswith("stage")]
+    with swarm.trainer() as trainer:
+        results = list(trainer.train(batches(), steps=5))
+        assert trainer.finished
+    reference = train_reference(
+        model="tiny-gpt",
+        model_config=TINY_GPT,
+        seed=SEED,
+        optimizer=scheduled,
+        batches=batches(),
+        steps=2,
+        microbatches_per_step=BATCH.microbatches_per_step,
+        max_steps=2,
+    )
+    assert [(r.step, r.lr) for r in results] == [(0, 1e-2), (1, 1e-3)] and reference.lrs == [1e-2, 1e-3]
+    torch.testing.assert_close(
+        torch.tensor([[r.loss, r.grad_norm] for r in results]),
+        torch.tensor([reference.losses, reference.grad_norms]).T,
+        rtol=LOSS_RTOL,
+        atol=0,
+    )
+    assert results[0].grad_norm > scheduled.max_grad_norm  # the first step was clipped
+    wait_until(
+        lambda: all(swarm.procs[name].poll() is not None for name in stage_peers),
+        timeout_s=30,
+        what="the stage peers to leave the finished run",
+    )
+    for name in stage_peers:
+        assert swarm.procs[name].returncode == 0, swarm.log_tail(name)
+        assert "run 'demo' finished at step 2" in swarm.log_tail(name)
+    with swarm.trainer(1) as late, pytest.raises(RunFinishedError, match="run 'demo' is finished"):
+        next(late.train(batches(), steps=1))

@@ -43,8 +43,10 @@ class PeerView(BaseModel):
     peer_id: str
     role: str = Field(description="coordinator, stage or trainer.")
     stage: int = Field(description="Stage served; -1 for other roles.")
-    state: str = Field(description="What the peer says: joining, serving, draining or lost.")
-    status: str = Field(description="What the map shows: joining, serving, draining, lost, banned or gone.")
+    state: str = Field(description="What the peer says: joining, serving, draining, lost or finished.")
+    status: str = Field(
+        description="What the map shows: joining, serving, draining, lost, finished, banned or gone."
+    )
     device: str
     version: str = Field(description="swarmtrain version of the peer.")
     since: float = Field(description="DHT time the peer started serving its stage.")
@@ -151,5 +153,6 @@ class SwarmSnapshot(BaseModel):
     peers: list[PeerView] = Field(description="Peers in the swarm now.")
     gone: list[PeerView] = Field(description="Peers that left recently, most recent first.")
     trainers: list[TrainerView] = Field(description="Latest point of each trainer, most recent first.")
+    finished: bool = Field(description="The run applied its last step (the manifest's max_steps).")
     series: SeriesView
     events: list[EventView] = Field(description="Event log, newest last.")

@@ -15,7 +15,7 @@ PAGE = """<!doctype html>
 <script src="/static/plotly.min.js"></script>
 <style>
   :root { --bg: #f6f7f9; --card: #fff; --ink: #1d2330; --muted: #6b7280; --line: #e2e5ea;
-          --serving: #1f9d55; --joining: #d69e2e; --draining: #dd6b20; --lost: #6b46c1; --banned: #c53030; --gone: #a0a6b1; }
+          --serving: #1f9d55; --joining: #d69e2e; --draining: #dd6b20; --lost: #6b46c1; --finished: #2b6cb0; --banned: #c53030; --gone: #a0a6b1; }
   * { box-sizing: border-box; }
   body { margin: 0; font: 14px/1.4 system-ui, sans-serif; background: var(--bg); color: var(--ink); }
   header { display: flex; flex-wrap: wrap; gap: 4px 16px; align-items: baseline; padding: 10px 16px;
@@ -44,8 +44,8 @@ PAGE = """<!doctype html>
   .replica .sub { color: var(--muted); }
   .replica.stale { opacity: .6; }
   .replica.gone { opacity: .55; background: repeating-linear-gradient(135deg, var(--bg) 0 6px, #eceef1 6px 12px); }
-  .serving { --c: var(--serving); } .joining { --c: var(--joining); } .draining { --c: var(--draining); } .lost { --c: var(--lost); }
-  .banned { --c: var(--banned); } .gone { --c: var(--gone); }
+  .serving { --c: var(--serving); } .joining { --c: var(--joining); } .draining { --c: var(--draining); }
+  .lost { --c: var(--lost); } .finished { --c: var(--finished); } .banned { --c: var(--banned); } .gone { --c: var(--gone); }
   .replica { border-left-color: var(--c, var(--muted)); } .replica .st, td.state { color: var(--c); }
   .legend i { background: var(--c); }
   #charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(340px, 100%), 1fr)); gap: 8px; }
@@ -80,7 +80,8 @@ PAGE = """<!doctype html>
 <main>
   <section><h2>Swarm map <span class="legend">
     <span class="serving"><i></i>serving</span><span class="joining"><i></i>joining</span>
-    <span class="draining"><i></i>draining</span><span class="lost"><i></i>lost</span><span class="banned"><i></i>banned</span>
+    <span class="draining"><i></i>draining</span><span class="lost"><i></i>lost</span><span class="finished"><i></i>finished</span>
+    <span class="banned"><i></i>banned</span>
     <span class="gone"><i></i>gone</span></span></h2>
     <div id="map"></div></section>
   <section><h2>Live</h2>
@@ -215,6 +216,7 @@ function render(view) {
     (m.max_steps ? ` \\u00b7 ${m.max_steps} steps planned` : "") : "waiting for the run manifest\\u2026";
   const t = view.trainers[0], step = view.series.step;
   document.getElementById("progress").textContent = (step.length ? `step ${step[step.length - 1]}` : "") +
+    (view.finished ? " \\u00b7 run finished" : "") +
     (t ? ` \\u00b7 loss ${t.loss === null ? "n/a" : t.loss.toFixed(3)} \\u00b7 ` +
       `${Math.round(t.tokens_per_s)} tokens/s` : "");
   renderMap(view); renderPeers(view); renderEvents(view); renderCharts(view);

@@ -7,7 +7,7 @@ stage moves, bans, replays, completed steps) and into one point of each bounded 
 clock of its own: the caller passes `now`, so tests drive it with plain data.
 
 A peer's display state (`status` in the snapshot) is its own state (joining, serving,
-draining), except `banned` while another live peer lists it in its `banned`, and `gone` for
+draining, finished), except `banned` while another live peer lists it in its `banned`, and `gone` for
 a while after it left. Everything kept is bounded: series by `history_len` points, the log
 by `events_len`, gone peers by `gone_keep_s` and `max_gone`, forgotten peers' and trainers'
 series once they age out of the history.
@@ -27,7 +27,7 @@ from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
 EVENT_KINDS = ("join", "leave", "state", "move", "ban", "replay", "drop", "step")
-DISPLAY_STATES = ("joining", "serving", "draining", "lost", "banned", "gone")
+DISPLAY_STATES = ("joining", "serving", "draining", "lost", "finished", "banned", "gone")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,6 +347,17 @@ class SwarmView:
             "compressed": m.compression.is_enabled,
         }
 
+    def _finished(self) -> bool:
+        """Whether the run applied its last step, as far as the polls seen tell: a stage peer
+        reached it, a trainer reported it, or the coordinator announces it (a finished
+        coordinator's record carries the run's last step)."""
+        m = self.manifest
+        if m is None or not m.max_steps:
+            return False
+        trained = [s[-1].step + 1 for s in self.trainer_series.values() if s]
+        announced = [r.step for r in self.peers.values()]
+        return max([self._max_step, *trained, *announced]) >= m.max_steps
+
     def _series(self) -> dict:
         return {
             "t": list(self.times),
@@ -399,6 +410,7 @@ class SwarmView:
                 ],
                 "gone": [self._peer_dict(r, left_at=t) for r, t in reversed(self.gone.values())],
                 "trainers": self._trainers(),
+                "finished": self._finished(),
             }
             if with_history:
                 out["series"] = self._series()

@@ -12,7 +12,9 @@ The trainer drives every stage's replicas through the commit together (`step.Tra
    Values: a received sum must fit this stage's parameters and its norm bound
    (`bounds.exchange`), or it is refused, the sender struck, and this replica's exchange
    fails at once (retryable: the trainer plans again). A group total that the optimizer
-   could not square in fp32 refuses the commit (REFUSED), before any stage applies.
+   could not square in fp32 refuses the commit (REFUSED), before any stage applies. The
+   reply gives the total's squared norm: the trainer sums them over the stages into the whole
+   model's gradient norm, and clips it through the apply's `grad_scale`.
 3. apply (only once every stage has exchanged): write the total, step the optimizer. Every
    replica adds the same tensors in the same order, so replicas stay bit-identical; with
    `digest` the reply carries a hash of the parameters to prove it.
@@ -39,6 +41,7 @@ from swarmtrain.wire.messages import (
     Apply,
     CommitRequest,
     Exchange,
+    Exchanged,
     GradsMeta,
     Prepare,
     Prepared,
@@ -123,7 +126,7 @@ class CommitParticipant:
                 cause=Cause.REFUSED,
             )
         self._total = (step, total)
-        return self._done(ctx.runner.step)
+        return self._done(ctx.runner.step, Exchanged(grad_sq_norm=norm * norm).to_meta())
 
     async def _on_apply(self, step: int, request: Apply) -> Frame:
         ctx = self.ctx

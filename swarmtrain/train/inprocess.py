@@ -17,8 +17,10 @@ It runs on the caller's event loop: `async with InProcessSwarm(...) as swarm: aw
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from swarmtrain.errors import ConfigError
@@ -27,11 +29,15 @@ from swarmtrain.schedule import ReadinessQueue, ReadinessRouter, RoundRobinRoute
 from swarmtrain.schedule.runtime import ComputeScheduler
 from swarmtrain.train.authority import RunAuthority
 from swarmtrain.train.context import StageContext
+from swarmtrain.train.data import loss_inputs_of
+from swarmtrain.train.run_length import is_finished, last_step_message, steps_to_run
 from swarmtrain.train.service import StageService
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.train.step import Microbatch, StepResult, TrainerContext, TrainerStep
 from swarmtrain.transport.memory import MemoryNetwork
 from swarmtrain.wire.records import RunManifest
+
+logger = logging.getLogger(__name__)
 
 TRAINER = "trainer"
 """The peer id of the swarm's trainer, the one the run authorizes."""
@@ -111,7 +117,9 @@ class InProcessSwarm:
         module = build_stage(
             m.model, m.model_config, start, end, num_blocks=m.num_blocks, seed=m.seed, loss=m.loss
         )
-        runner = StageRunner(module, m.optimizer, microbatch_size=m.batch.microbatch_size)
+        runner = StageRunner(
+            module, m.optimizer, microbatch_size=m.batch.microbatch_size, max_steps=m.max_steps
+        )
         slowdown = self.config.slowdowns.get(name, 1.0)
         scheduler = ComputeScheduler(
             StaticQueue() if m.schedule == "static" else ReadinessQueue(IN_FLIGHT_BUDGET),
@@ -229,10 +237,27 @@ class InProcessSwarm:
             max_dropped_fraction=cfg.max_dropped_fraction,
             verify_replicas=cfg.verify_replicas,
             window=cfg.window,
+            optimizer=self.manifest.optimizer,
+            max_steps=self.manifest.max_steps,
         )
 
     async def step(self, microbatches: list[Microbatch]) -> StepResult:
-        """One optimizer step over `microbatches` (inputs, named loss inputs)."""
+        """One optimizer step over `microbatches` (inputs, named loss inputs); RunFinishedError
+        once the run's last step (its manifest's max_steps) was applied."""
         result = await TrainerStep(self.trainer_context(), self.trainer_step, microbatches).run()
         self.trainer_step = result.step + 1
         return result
+
+    async def train(self, batches: Iterator, steps: int) -> list[StepResult]:
+        """Up to `steps` steps over microbatches drawn from `batches`, as `Trainer.train` runs
+        them: no more than the run has left, saying so (a log line) at its last step."""
+        m = self.manifest
+        results = []
+        for _ in range(steps_to_run(m.run_id, self.trainer_step, steps, m.max_steps)):
+            mbs = [loss_inputs_of(b) for b in itertools.islice(batches, m.batch.microbatches_per_step)]
+            if len(mbs) < m.batch.microbatches_per_step:
+                break  # the data ran out
+            results.append(await self.step(mbs))
+        if is_finished(self.trainer_step, m.max_steps):
+            logger.info(last_step_message(m.run_id, m.max_steps))
+        return results

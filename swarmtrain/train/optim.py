@@ -1,6 +1,10 @@
 """The optimizer a run's `OptimizerConfig` names; every stage builds its own over its own parameters.
 
-`StepGuard` steps it, or refuses a step that would leave non-finite state and undoes it.
+`lr_at` is the learning rate of each step (warmup, then constant or cosine) and
+`clip_coefficient` the factor of global gradient-norm clipping: pure functions of the run's
+settings, so every replica of every stage, and the single-process reference, computes the
+same values. `StepGuard` steps the optimizer, or refuses a step that would leave non-finite
+state and undoes it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,45 @@ def make_optimizer(params: Iterable[nn.Parameter], cfg: OptimizerConfig) -> torc
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     assert cfg.name == "sgd", cfg.name  # OptimizerConfig admits only these two
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+CLIP_EPS = 1e-6
+"""Added to the gradient norm before dividing by it, as torch.nn.utils.clip_grad_norm_ does."""
+
+
+def lr_at(cfg: OptimizerConfig, step: int, max_steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based) of a run of `max_steps` steps.
+
+    Step s < warmup_steps runs at lr * (s + 1) / warmup_steps. After that 'constant' keeps lr,
+    and 'cosine' goes from lr at step warmup_steps down to min_lr at the run's last step,
+    max_steps - 1, along half a cosine; a step past the last stays at min_lr. A cosine needs
+    max_steps > 0 (the manifest checks it: `OptimizerConfig.check_run_length`).
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    assert cfg.schedule == "cosine" and max_steps > 0, (cfg.schedule, max_steps)
+    span = max_steps - 1 - cfg.warmup_steps
+    progress = 1.0 if span <= 0 else (step - cfg.warmup_steps) / span
+    if progress >= 1.0:
+        return cfg.min_lr
+    return cfg.lr - 0.5 * (1.0 - math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)  # lr exactly at 0
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Give every parameter group `lr` (before the step that should use it)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_coefficient(grad_norm: float, max_grad_norm: float) -> float:
+    """The factor on the gradient that clips its L2 norm `grad_norm` to `max_grad_norm`:
+    min(1, max_grad_norm / (grad_norm + CLIP_EPS)), as torch.nn.utils.clip_grad_norm_ computes
+    it; 1 when clipping is off (max_grad_norm 0)."""
+    if max_grad_norm <= 0:
+        return 1.0
+    return min(1.0, max_grad_norm / (grad_norm + CLIP_EPS))
 
 
 class StepGuard:

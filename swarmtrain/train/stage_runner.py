@@ -37,7 +37,7 @@ from swarmtrain.errors import BadFrameError, Cause, RemoteError
 from swarmtrain.model import StageModule
 from swarmtrain.model.losses import name_mismatch
 from swarmtrain.train.bounds import SQUARE_SAFE, BoundsConfig, StageBounds, tensor_norm
-from swarmtrain.train.optim import StepGuard, make_optimizer
+from swarmtrain.train.optim import StepGuard, lr_at, make_optimizer, set_lr
 from swarmtrain.wire.frames import all_finite
 from swarmtrain.wire.records import OptimizerConfig
 
@@ -73,7 +73,10 @@ class StageRunner:
         *,
         microbatch_size: int,
         bounds: BoundsConfig | None = None,
+        max_steps: int = 0,
     ):
+        """`max_steps`: the run's step count, which the learning-rate schedule decays over
+        (`optim.lr_at`; 0: the run has none, and the schedule must not need one)."""
         self.module = module
         self.device = next(module.parameters()).device
         self.named_params = {
@@ -86,6 +89,8 @@ class StageRunner:
         for p in self.params:  # persistent gradient buffers: replicas average them in place
             p.grad = torch.zeros_like(p)
         self.optimizer = make_optimizer(self.params, optimizer)
+        self.optimizer_config = optimizer
+        self.max_steps = max_steps
         self._guard = StepGuard(self.optimizer)
         shape, dtype = module.input_spec(microbatch_size)
         self.input_spec = TensorSpec(tuple(shape), dtype, microbatch_size)
@@ -283,7 +288,8 @@ class StageRunner:
 
         `total`: the summed gradients of every replica of the stage (None: this replica's
         own buffer is the total). `grad_scale` multiplies the gradients first (the trainer
-        rescales a step that lost microbatches). A repeated call for the step just applied is
+        rescales a step that lost microbatches, and clips the whole model's gradient norm).
+        The learning rate is the schedule's for `step` (`optim.lr_at`). A repeated call for the step just applied is
         answered without stepping again; another step raises RemoteError (not retryable).
         Raises RemoteError (REFUSED) when the scaled gradients are not finite or their squares
         would overflow fp32 (nothing is written), or when the step would leave a parameter or
@@ -313,6 +319,7 @@ class StageRunner:
             if grad_scale != 1.0:
                 for p in self.params:
                     p.grad.mul_(grad_scale)
+        set_lr(self.optimizer, lr_at(self.optimizer_config, step, self.max_steps))
         refused = self._guard.step()
         if refused is not None:
             raise RemoteError(

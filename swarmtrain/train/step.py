@@ -13,7 +13,9 @@ stage with no live replica; discard a stage whose buffers cannot be made exact (
 microbatches replay); replay what no live replica holds (a replica died with it), steering
 each stage to the replica that already has the work; or exchange gradients within each
 stage and, once every stage has exchanged, apply everywhere. Nothing is applied before every
-stage can apply, so a death anywhere before that costs a replay, not data.
+stage can apply, so a death anywhere before that costs a replay, not data. Each stage's
+exchange reply gives its gradient total's squared norm; the apply's one `grad_scale` carries
+the dropped-microbatch rescale times the clip coefficient of the whole model's gradient norm.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,6 +36,9 @@ from swarmtrain.schedule import CommitAction, ReadinessRouter, ReplicaReport, St
 from swarmtrain.schedule.static import assign
 from swarmtrain.train.authority import microbatch_id
 from swarmtrain.train.hop import Hop, HopContext, HopFailedError, HopFailure
+from swarmtrain.train.optim import clip_coefficient, lr_at
+from swarmtrain.train.run_length import finished_error, is_finished
+from swarmtrain.train.step_result import StepResult
 from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.frames import Frame
 from swarmtrain.wire.messages import (
@@ -42,10 +48,12 @@ from swarmtrain.wire.messages import (
     Apply,
     CommitRequest,
     Exchange,
+    Exchanged,
     ForwardMeta,
     Prepare,
     Prepared,
 )
+from swarmtrain.wire.records import OptimizerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,43 +67,6 @@ Microbatch = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 class StepFailedError(SwarmError):
     """A step could not complete; the message says which microbatch or stage and why."""
-
-
-@dataclass(frozen=True)
-class StepResult:
-    step: int
-    """Optimizer step just applied (0-based)."""
-    loss: float
-    """Mean loss over the step's microbatches."""
-    samples: int
-    tokens: int
-    seconds: float
-    replays: int
-    """Replays after failures (hops replayed by stages, resends by the trainer, repairs at commit)."""
-    dropped: int = 0
-    """Microbatches left out of the step (see dropped_causes)."""
-    completed: int = 0
-    """Microbatches whose gradients the step applied (each exactly once per stage)."""
-    replay_causes: dict = field(default_factory=dict)
-    dropped_causes: dict = field(default_factory=dict)
-    work: dict = field(default_factory=dict)
-    """Per stage: microbatches each replica (peer id) completed this step."""
-    window: int = 0
-    """Microbatches in flight at once during the step."""
-    timeouts: int = 0
-    replicas_equal: bool | None = None
-    """With verify_replicas: True when every stage with two or more replicas had them all hash
-    to the same parameters, False when some differ, None when nothing was compared (verify is
-    off, or no stage had a second replica that answered)."""
-    replicas_compared: dict = field(default_factory=dict)
-    """With verify_replicas: per stage, how many replicas' digests were compared."""
-    rolled_back: str = ""
-    """Before this step the run went back to a checkpoint: which stage was lost, to which step,
-    and how many steps that cost (`swarmtrain.train.rollback`); empty otherwise."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass(kw_only=True)
@@ -124,6 +95,10 @@ class TrainerContext:
     verify_replicas: bool
     window: int
     """Microbatches in flight at once."""
+    optimizer: OptimizerConfig
+    """The run's optimizer settings: the learning-rate schedule and gradient clipping."""
+    max_steps: int
+    """The run's step count (0: none); no step at or past it is run."""
 
     @property
     def handler(self) -> str:
@@ -142,6 +117,7 @@ class TrainerStep:
         self.ledger = StepLedger(issued=tuple(self.ids))
         self.timeouts = 0
         self.digests: dict[int, dict[str, str]] = {}
+        self.grad_norm: float | None = None
         self._hops = HopContext(
             router=ctx.router,
             transport=ctx.transport,
@@ -314,7 +290,7 @@ class TrainerStep:
                 continue
             plans = decision.plans
             calls = [
-                self._call_stage(
+                self._exchange(
                     r.peer,
                     k,
                     Exchange(
@@ -337,17 +313,39 @@ class TrainerStep:
                     "commit of step %d: exchange failed (%s); planning again", self.step, errors[0]
                 )
                 continue
-            await self._apply({k: [r.peer for r in rs] for k, rs in reports.items()})
+            sq_norms: dict[int, list[float | None]] = {}
+            for k, sq_norm in zip([k for k, rs in reports.items() for _ in rs], results):
+                sq_norms.setdefault(k, []).append(sq_norm)
+            await self._apply({k: [r.peer for r in rs] for k, rs in reports.items()}, sq_norms)
             return
         raise StepFailedError(f"step {self.step} could not be committed after {attempt + 1} rounds")
 
-    async def _apply(self, committed_by: dict[int, list[str]]) -> None:
-        """Every stage has exchanged: step every replica (a dead one is simply gone)."""
+    async def _exchange(self, peer: str, stage: int, request: Exchange) -> float | None:
+        """One replica's exchange; returns the squared norm of its group's gradient total."""
+        reply = await self._call_stage(peer, stage, request)
+        return Exchanged.from_meta(reply.meta).grad_sq_norm
+
+    async def _apply(
+        self, committed_by: dict[int, list[str]], sq_norms: dict[int, list[float | None]]
+    ) -> None:
+        """Every stage has exchanged: step every replica (a dead one is simply gone).
+
+        `sq_norms`: per stage, its replicas' squared norms of the group total (equal: the
+        replicas hold the same total; the largest counts)."""
         ctx = self.ctx
         dropped = len(self.ledger.dropped)
         scale = len(self.ids) / (len(self.ids) - dropped) if dropped else 1.0
+        per_stage = [None if None in sq else max(sq) for sq in sq_norms.values()]
+        if None not in per_stage:
+            self.grad_norm = scale * math.sqrt(sum(per_stage))
+        elif ctx.optimizer.max_grad_norm > 0:
+            raise StepFailedError(
+                f"step {self.step}: a stage did not report its gradient norm, which clipping needs "
+                "(is every stage peer of this swarmtrain version?)"
+            )
+        clip = clip_coefficient(self.grad_norm or 0.0, ctx.optimizer.max_grad_norm)
         self.digests = {k: {} for k in committed_by}
-        request = Apply(grad_scale=float(scale), digest=ctx.verify_replicas)
+        request = Apply(grad_scale=float(scale * clip), digest=ctx.verify_replicas)
 
         async def apply(k: int, peer: str) -> None:
             for attempt in range(3):
@@ -383,6 +381,9 @@ class TrainerStep:
         return all(len(g) == 1 for g in groups), compared
 
     async def run(self) -> StepResult:
+        """Run the step; RunFinishedError if the run's last step was applied already."""
+        if is_finished(self.step, self.ctx.max_steps):
+            raise finished_error(self.ctx.run_id, self.ctx.max_steps)
         started = time.monotonic()
         await self._flow()
         if not self.ledger.losses:
@@ -413,6 +414,8 @@ class TrainerStep:
             timeouts=self.timeouts,
             replicas_equal=equal,
             replicas_compared=compared,
+            lr=lr_at(self.ctx.optimizer, self.step, self.ctx.max_steps),
+            grad_norm=self.grad_norm,
         )
 
 

@@ -11,7 +11,7 @@ the protocol code after it works on typed values and never parses strings.
 | forward             | ForwardMeta                         | trainer/stage -> stage |
 | result              | ResultMeta                          | reply to forward       |
 | step                | Prepare, Exchange, Apply, Abort     | trainer -> stage       |
-| step_done           | Prepared, Applied (or nothing)      | reply to step          |
+| step_done           | Prepared, Exchanged, Applied, none  | reply to step          |
 | grads               | GradsMeta                           | replica -> replica     |
 | pong                | PongMeta                            | reply to ping          |
 | error               | see `frames.error_frame` (cause)    | any reply              |
@@ -324,6 +324,18 @@ class Exchange(CommitRequest):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Exchanged(Message):
+    """A replica's answer to exchange: the size of the gradient total its group will apply."""
+
+    WHAT = "exchanged"
+    FIELDS = {"grad_sq_norm": _optional(_float(0, math.inf))}
+    grad_sq_norm: float | None = None
+    """The squared L2 norm of the group's gradient total (every replica of a stage holds the
+    same total): the trainer adds one per stage into the whole model's gradient norm, for
+    clipping. None: the replica did not say."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Apply(CommitRequest):
     """Every stage exchanged: write the group's total and step the optimizer."""
 
@@ -331,7 +343,9 @@ class Apply(CommitRequest):
     WHAT = "apply"
     FIELDS = {"grad_scale": _float(0, 1e3, lo_open=True), "digest": _bool}
     grad_scale: float = 1.0
-    """Factor on the summed gradients (microbatches issued / completed, when some were dropped)."""
+    """Factor on the summed gradients, the same for every stage: microbatches issued / completed
+    (when some were dropped) times the clip coefficient of the whole model's gradient norm
+    (`swarmtrain.train.optim.clip_coefficient`, 1 without clipping)."""
     digest: bool = False
     """Reply with a hash of the parameters after the step."""
 
@@ -409,6 +423,7 @@ __all__ = [
     "CommitPhase",
     "CommitRequest",
     "Exchange",
+    "Exchanged",
     "ForwardMeta",
     "GradsMeta",
     "Message",

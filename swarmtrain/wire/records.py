@@ -31,7 +31,10 @@ LOSS_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 PEER_ROLES = ("coordinator", "stage", "trainer")
 SCHEDULES = ("readiness", "static")
 """How stage peers order their work and route microbatches (see swarmtrain/schedule)."""
-PEER_STATES = ("joining", "serving", "draining", "lost")
+PEER_STATES = ("joining", "serving", "draining", "lost", "finished")
+"""'lost': a stage peer waiting for a checkpoint of a stage nobody serves any more
+(swarmtrain.peers.checkpoints); 'finished': a stage peer that applied the run's last step (as
+it leaves), or the coordinator of a run whose last step was committed (swarmtrain.train.run_length)."""
 PEER_ID_PATTERN = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
 """A libp2p peer id as libp2p prints it: base58btc, e.g. 12D3KooW... or Qm..."""
 MAX_TRAINERS = 64
@@ -104,7 +107,8 @@ class RunManifest:
     seed: int = 0
     """Run seed: block i initialised from it is bit-identical on every peer."""
     max_steps: int = 0
-    """Steps the run aims for (0: until stopped)."""
+    """Steps the run lasts (0: until stopped): trainers stop after step max_steps - 1, and stage
+    peers that applied it leave (swarmtrain.train.run_length)."""
     schedule: str = "readiness"
     """'readiness': each peer runs whatever work is ready (backward first, then forward in 1F1B
     order) and each hop goes to the replica expected to finish soonest. 'static': round-robin
@@ -182,6 +186,13 @@ class RunManifest:
             )
         if isinstance(self.optimizer, dict):
             object.__setattr__(self, "optimizer", OptimizerConfig.from_dict(self.optimizer))
+        if not isinstance(self.optimizer, OptimizerConfig):
+            raise ConfigError("manifest: optimizer must be a mapping")
+        if not isinstance(self.max_steps, int) or isinstance(self.max_steps, bool) or self.max_steps < 0:
+            raise ConfigError(
+                f"manifest: max_steps must be an integer >= 0, got {self.max_steps!r} (--steps)"
+            )
+        self.optimizer.check_run_length(self.max_steps)
         if isinstance(self.batch, dict):
             object.__setattr__(self, "batch", BatchConfig.from_dict(self.batch))
         if isinstance(self.compression, dict):

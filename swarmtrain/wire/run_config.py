@@ -7,6 +7,7 @@ Frozen dataclasses with `to_dict()`/`from_dict()` like every record (`swarmtrain
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -16,6 +17,18 @@ CODEC_CHOICES = ("none", "fp16", "bf16", "int8", "nf4", "uint4", "int8-s16", "nf
 """Codec settings a manifest may name: swarmtrain.compress's codecs (the -s16 ones keep their
 block scales in fp16), or 'auto' (chosen per link by swarmtrain.compress.policy from its
 measured bandwidth)."""
+
+
+LR_SCHEDULES = ("constant", "cosine")
+"""Learning-rate schedules after warmup (swarmtrain.train.optim.lr_at)."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def _from_dict(cls, data: Any, what: str):
@@ -48,6 +61,17 @@ class OptimizerConfig:
     """Decoupled weight decay."""
     momentum: float = 0.0
     """SGD momentum (ignored by adamw)."""
+    warmup_steps: int = 0
+    """Steps of linear warmup: step s < warmup_steps runs at lr * (s + 1) / warmup_steps (--warmup-steps)."""
+    schedule: str = "constant"
+    """The learning rate after warmup, one of LR_SCHEDULES (--lr-schedule): 'constant' keeps lr;
+    'cosine' follows half a cosine from lr down to min_lr at the run's last step (max_steps - 1)."""
+    min_lr: float = 0.0
+    """Where the cosine schedule ends, an absolute learning rate in [0, lr] (--min-lr); the
+    constant schedule takes none (0)."""
+    max_grad_norm: float = 0.0
+    """Clip the whole model's gradient, every stage's together, to this L2 norm, as
+    torch.nn.utils.clip_grad_norm_ would in one process (--max-grad-norm); 0: no clipping."""
 
     def __post_init__(self):
         if self.name not in ("adamw", "sgd"):
@@ -61,6 +85,43 @@ class OptimizerConfig:
             raise ConfigError(
                 f"weight_decay and momentum must be >= 0, got {self.weight_decay} and {self.momentum}: "
                 "give a --weight-decay of 0 or more"
+            )
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ConfigError(
+                f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}: give --warmup-steps 0 or more"
+            )
+        if self.schedule not in LR_SCHEDULES:
+            raise ConfigError(
+                f"unknown learning-rate schedule {self.schedule!r}: choose "
+                f"{' or '.join(map(repr, LR_SCHEDULES))} (--lr-schedule)"
+            )
+        for name in ("min_lr", "max_grad_norm"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 <= value < math.inf:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}: give {flag} 0 or more")
+            object.__setattr__(self, name, float(value))
+        if self.schedule == "constant" and self.min_lr != 0:
+            raise ConfigError(
+                f"min_lr {self.min_lr} ends a cosine schedule, and this one is constant: "
+                "give --lr-schedule cosine, or leave --min-lr out"
+            )
+        if self.min_lr > self.lr:
+            raise ConfigError(
+                f"min_lr {self.min_lr} is above the learning rate {self.lr}: give a --min-lr of at most --lr"
+            )
+
+    def check_run_length(self, max_steps: int) -> None:
+        """Raise ConfigError unless the schedule fits a run of `max_steps` steps (0: until stopped)."""
+        if self.schedule == "cosine" and max_steps <= 0:
+            raise ConfigError(
+                "the cosine schedule decays over the run's steps, and this run has no step count: "
+                "give the coordinator --steps N, or --lr-schedule constant"
+            )
+        if 0 < max_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"warmup_steps {self.warmup_steps} would last the whole run of {max_steps} steps: "
+                "give --warmup-steps below --steps"
             )
 
     def to_dict(self) -> dict:
