@@ -42,12 +42,15 @@ from swarmtrain.model.hf_folder import (
     load_config,
     model_folder,
     native_names,
+    save_native,
     text_encoder,
     weights_to_load,
 )
 from swarmtrain.model.native import checkpoint_files
 from swarmtrain.model.registry import register_builder
 from swarmtrain.model.swarm_model import EMBED_KEY, HEAD_KEY, SwarmModel, block_key
+
+__all__ = ["BUILDER", "hf_causal_lm", "save_native"]
 
 log = logging.getLogger(__name__)
 

@@ -120,13 +120,10 @@ def load_config(folder: Path):
 
 
 def family_classes(family: Family) -> dict[str, type]:
-    """The family's layer, norm and rotary classes from transformers."""
+    """The family's classes by role ('layer', 'norm', 'rotary') as far as it names them."""
     mod = importlib.import_module(f"transformers.models.{family.module}")
-    names = {"layer": family.layer, "rotary": family.rotary}
-    classes = {role: getattr(mod, name) for role, name in names.items() if name is not None}
-    if family.norm is not None:
-        classes["norm"] = getattr(mod, family.norm)
-    return classes
+    roles = {"layer": family.layer, "norm": family.norm, "rotary": family.rotary}
+    return {role: getattr(mod, name) for role, name in roles.items() if name is not None}
 
 
 def native_names(parts: list[tuple[str, nn.Module]], family: Family, *, tied: bool) -> dict[str, str]:
@@ -137,12 +134,10 @@ def native_names(parts: list[tuple[str, nn.Module]], family: Family, *, tied: bo
     names = {}
     for key, part in parts:
         for name, _ in part.named_parameters():
-            if key == EMBED_KEY:
+            if key == HEAD_KEY and name == "lm_head.weight":
+                native = embed_name if tied else name  # lm_head lies outside the base model
+            elif key in (EMBED_KEY, HEAD_KEY):
                 native = f"{family.base}.{name}"
-            elif key == HEAD_KEY:
-                native = (
-                    (embed_name if tied else name) if name == "lm_head.weight" else f"{family.base}.{name}"
-                )
             else:
                 index = int(key.removeprefix("block."))
                 native = f"{family.base}.{family.layers}.{index}.{name.removeprefix('layer.')}"
@@ -167,7 +162,8 @@ def has_tokenizer(folder: Path) -> bool:
 
 
 def text_encoder(folder: Path, vocab_size: int):
-    """Text (bytes) -> int64 token ids (N,) from the folder's tokenizer, loaded on first call."""
+    """A function: text (bytes) -> int64 token ids (N,) by the folder's tokenizer, which it loads
+    when called (building the model does not need the tokenizer)."""
 
     def encode(text: bytes) -> Tensor:
         if not has_tokenizer(folder):
@@ -193,6 +189,7 @@ def text_encoder(folder: Path, vocab_size: int):
 
 
 def weights_to_load(folder: Path, pretrained: bool | None) -> bool:
+    """Whether to load the folder's weights, given the builder's `pretrained` option."""
     has_weights = any(folder.glob("*.safetensors"))
     if pretrained and not has_weights:
         raise ConfigError(
@@ -215,7 +212,8 @@ def save_native(
     does not hold exactly the model's parameters.
     """
     model = build_model(BUILDER, {**model_config, "pretrained": False}, device="meta")
-    config = load_config(model_folder(model_config["path"]))
+    folder = model_folder(model_config["path"])
+    config = load_config(folder)
     names = native_names(model.parts(), FAMILIES[config.model_type], tied=False)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -223,7 +221,6 @@ def save_native(
     config.tie_word_embeddings = False
     config.dtype = torch.float32
     config.save_pretrained(str(out))
-    folder = model_folder(model_config["path"])
     for name in TOKENIZER_FILES:
         if (folder / name).is_file():
             shutil.copyfile(folder / name, out / name)
