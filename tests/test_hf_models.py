@@ -1,131 +1,48 @@
 """hf-causal-lm: transformers causal LMs from a local folder as swarm models, checked against
-transformers itself (logits at every stage split, causality, training, export), and the
-build-time refusal of parameters no initialiser sets, for every builder.
+transformers itself (logits at every stage split, causality, per-stage loading, init from
+scratch, errors), and the build-time refusal of parameters no initialiser sets, for every
+builder. Training and export: test_hf_training.py.
 
 Every model and tokenizer here is made locally into tmp folders; nothing is downloaded."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import functools
-import itertools
 import json
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import swarmtrain.model.native as native
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import ModelSources, SwarmModel, build_model, build_stage, registered_models
-from swarmtrain.model.hf import save_native
 from swarmtrain.model.native import load_native_weights
-from swarmtrain.train.data import TokenBatches, loss_inputs_of, stdlib_text, text_batches_for
-from swarmtrain.train.inprocess import InProcessConfig, InProcessSwarm
-from swarmtrain.train.reference import stage_state_dict, train_reference
-from swarmtrain.wire.records import BatchConfig, OptimizerConfig, RunManifest
+from swarmtrain.train.reference import stage_state_dict
 from tests.conftest import TINY_GPT
+from tests.hf_models import (
+    CONFIGS,
+    HF,
+    LAYERS,
+    SPLITS,
+    B,
+    T,
+    V,
+    config_only,
+    hf_model,
+    make_folders,
+    run_chain,
+    stages,
+    tokens,
+    transformers,
+)
 
-transformers = pytest.importorskip("transformers")
-
-HF = "hf-causal-lm"
-V, T, B, LAYERS = 300, 16, 3, 4
 OWN = "tests.test_hf_models:*"
-SPLITS = [(0, 4), (0, 1, 4), (0, 2, 3, 4), (0, 1, 2, 3, 4)]
-"""Stage boundaries: one stage, then cuts after the embedding's block, in the middle, everywhere."""
-LLAMA_SHAPE = dict(
-    vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    bos_token_id=0, eos_token_id=0,
-)  # fmt: skip
-CONFIGS = {
-    "gpt2": lambda: transformers.GPT2Config(
-        vocab_size=V, n_positions=32, n_embd=32, n_layer=LAYERS, n_head=4, bos_token_id=0, eos_token_id=0,
-        tie_word_embeddings=False, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0,
-    ),
-    "gpt2-tied": lambda: transformers.GPT2Config(
-        vocab_size=V, n_positions=32, n_embd=32, n_layer=LAYERS, n_head=4, bos_token_id=0, eos_token_id=0,
-    ),
-    "llama": lambda: transformers.LlamaConfig(**LLAMA_SHAPE, pad_token_id=1),
-    "qwen2": lambda: transformers.Qwen2Config(
-        **LLAMA_SHAPE, tie_word_embeddings=True, use_sliding_window=True, sliding_window=6, max_window_layers=2
-    ),
-    "mistral": lambda: transformers.MistralConfig(**LLAMA_SHAPE, sliding_window=6),
-}  # fmt: skip
-"""Tiny configs of each supported family: tied and untied embeddings, grouped-query attention,
-a padding row, and sliding windows shorter than the sequence (Qwen2's on its upper layers only)."""
-
-
-@functools.cache
-def tokenizer_files() -> dict[str, bytes]:
-    """A byte-level BPE of V tokens trained on a little stdlib text, as transformers saves one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=V, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"]
-    )
-    tok.train_from_iterator([stdlib_text(2**14).decode()], trainer=trainer)
-    assert tok.get_vocab_size() == V
-    with tempfile.TemporaryDirectory() as tmp:
-        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-        fast.save_pretrained(tmp)
-        return {p.name: p.read_bytes() for p in Path(tmp).iterdir()}
-
-
-def make_tokenizer(folder) -> None:
-    for name, data in tokenizer_files().items():
-        (Path(folder) / name).write_bytes(data)
-
-
-@pytest.fixture(scope="module")
-def stdlib_sample(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "stdlib.py"
-    path.write_bytes(stdlib_text(2**17))
-    return path
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
-    """Family name -> a folder holding that model's config.json, random weights and a tokenizer."""
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for i, (name, config) in enumerate(CONFIGS.items()):
-        torch.manual_seed(i)
-        folder = root / name
-        transformers.AutoModelForCausalLM.from_config(config()).save_pretrained(folder)
-        make_tokenizer(folder)
-        out[name] = str(folder)
-    return out
-
-
-def hf_model(folder, attn="sdpa"):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn).eval()
-
-
-def stages(folder, bounds, **options) -> list:
-    config = {"path": folder, "seq_len": T, **options}
-    return [build_stage(HF, config, a, b, seed=0).eval() for a, b in itertools.pairwise(bounds)]
-
-
-def run_chain(chain, x) -> list[torch.Tensor]:
-    """Every stage's output, in order."""
-    outs = []
-    for stage in chain:
-        x = stage(x)
-        outs.append(x)
-    return outs
-
-
-def tokens(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+    return make_folders(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -271,12 +188,6 @@ def test_a_checkpoint_that_does_not_fit_is_refused_by_name(folders, tmp_path):
         build_model(HF, {"path": str(config_only(tmp_path, "llama")), "seq_len": T, "pretrained": True})
 
 
-def config_only(tmp_path, family):
-    folder = tmp_path / f"{family}-config-only"
-    CONFIGS[family]().save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_from_scratch_every_parameter_is_initialised_per_part_as_transformers_would(tmp_path, family):
     config = {"path": str(config_only(tmp_path, family)), "seq_len": T}
@@ -347,123 +258,6 @@ def test_every_built_in_builder_initialises_every_parameter(folders):
     build_stage("tiny-gpt", TINY_GPT, 0, TINY_GPT["n_layer"], seed=0)
     for family in CONFIGS:
         build_stage(HF, {"path": folders[family], "seq_len": T, "pretrained": False}, 0, LAYERS, seed=0)
-
-
-# Training: the swarm against transformers trained in one process.
-
-
-def hf_training_losses(folder, batches, *, steps: int, microbatches: int, optimizer: OptimizerConfig):
-    """transformers' model trained alone: the same AdamW, batches and next-token cross-entropy."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).train()
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=optimizer.lr, betas=optimizer.betas, weight_decay=optimizer.weight_decay
-    )
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for _ in range(microbatches):
-            x, y = next(batches)
-            logits = model(x).logits  # (B, T, V)
-            loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
-            (loss / microbatches).backward()
-            total += loss.item()
-        opt.step()
-        losses.append(total / microbatches)
-    return losses, model
-
-
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_the_swarm_trains_like_transformers_in_one_process(folders, family, stdlib_sample):
-    steps, microbatches = 3, 2
-    optimizer = OptimizerConfig(name="adamw", lr=3e-3, weight_decay=0.01)
-    manifest = RunManifest(
-        run_id="hf", model=HF, model_config={"path": folders[family], "seq_len": T}, num_blocks=LAYERS,
-        stage_bounds=(0, 1, 4), optimizer=optimizer,
-        batch=BatchConfig(microbatch_size=B, microbatches_per_step=microbatches, max_in_flight=2),
-    )  # fmt: skip
-    ids = text_batches_for(manifest, str(stdlib_sample)).data
-    assert int(ids.max()) < V and len(ids) < 0.8 * stdlib_sample.stat().st_size  # the tokenizer's ids
-
-    def batches():
-        return TokenBatches(ids, seq_len=T, microbatch_size=B, seed=0)
-
-    async def swarm_run():
-        feed = batches()
-        async with InProcessSwarm(InProcessConfig(manifest=manifest, replicas=(2, 1))) as swarm:
-            results = []
-            for _ in range(steps):
-                results.append(await swarm.step([loss_inputs_of(next(feed)) for _ in range(microbatches)]))
-            return swarm, results
-
-    swarm, results = asyncio.run(swarm_run())
-    want, model = hf_training_losses(
-        folders[family], batches(), steps=steps, microbatches=microbatches, optimizer=optimizer
-    )
-    got = torch.tensor([r.loss for r in results])
-    torch.testing.assert_close(got, torch.tensor(want), rtol=1e-5, atol=0)
-    assert want[-1] < want[0]  # it learns: parity with a run that does nothing would be vacuous
-    reference = train_reference(
-        model=HF, model_config=manifest.model_config, seed=0, optimizer=optimizer, batches=batches(),
-        steps=steps, microbatches_per_step=microbatches,
-    )  # fmt: skip
-    torch.testing.assert_close(torch.tensor(reference.losses), torch.tensor(want), rtol=1e-5, atol=0)
-    native_state = model.state_dict()
-    names = swarm.replicas["s1r0"].runner.module.native_names
-    for name, value in stage_state_dict(swarm.replicas["s1r0"].runner.module).items():
-        torch.testing.assert_close(value, native_state[names[name]], rtol=0, atol=1e-4, msg=name)
-
-
-@pytest.mark.parametrize("family", ["gpt2-tied", "qwen2"])
-def test_export_loads_back_into_transformers_with_the_same_logits(folders, family, tmp_path):
-    config = {"path": folders[family], "seq_len": T}
-    optimizer = OptimizerConfig(name="adamw", lr=1e-2)
-    ids = torch.randint(0, V, (5000,), generator=torch.Generator().manual_seed(4))
-    trained = train_reference(
-        model=HF, model_config=config, seed=0, optimizer=optimizer, steps=2, microbatches_per_step=1,
-        batches=TokenBatches(ids, seq_len=T, microbatch_size=B, seed=0),
-    )  # fmt: skip
-    out = save_native(trained.state, config, tmp_path / "export")
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
-    assert (out / "tokenizer.json").is_file()
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
-    x = tokens(5)
-    with torch.no_grad():
-        want = run_chain(stages(folders[family], (0, 4)), x)[-1]  # the untrained model differs
-        swarm_model = build_model(HF, {"path": str(out), "seq_len": T}, device="meta")
-        swarm_model.materialise(0)
-        got = swarm_model.eval()(x)
-        torch.testing.assert_close(model.eval()(x).logits, got, rtol=0, atol=1e-5)
-    assert not torch.allclose(got, want)
-    with pytest.raises(ConfigError, match="missing head.lm_head.weight"):
-        save_native(
-            {k: v for k, v in trained.state.items() if k != "head.lm_head.weight"}, config, tmp_path / "x"
-        )
-
-
-def test_text_is_tokenized_by_the_folders_tokenizer_and_bytes_stay_bytes(folders, tmp_path):
-    manifest = RunManifest(
-        run_id="t", model=HF, model_config={"path": folders["gpt2"], "seq_len": T}, num_blocks=LAYERS,
-        stage_bounds=(0, 4), batch=BatchConfig(microbatch_size=2, microbatches_per_step=1, max_in_flight=1),
-    )  # fmt: skip
-    text = tmp_path / "text.txt"
-    text.write_text("def f(x):\n    return x + 1\n" * 200)
-    data = text_batches_for(manifest, str(text))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folders["gpt2"])
-    assert data.data[:4].tolist() == tokenizer("def f(x):")["input_ids"][:4]
-    assert len(data.data) < 0.8 * text.stat().st_size  # merges, not bytes
-    x, y = next(data)
-    assert x.shape == (2, T) and torch.equal(x[:, 1:], y[:, :-1])
-    tiny = RunManifest(
-        run_id="t", model="tiny-gpt", model_config=TINY_GPT, num_blocks=TINY_GPT["n_layer"],
-        stage_bounds=(0, 4), batch=BatchConfig(microbatch_size=2, microbatches_per_step=1, max_in_flight=1),
-    )  # fmt: skip
-    assert text_batches_for(tiny, str(text)).data[:3].tolist() == list(b"def")
-    bare = config_only(tmp_path, "gpt2")
-    no_tokenizer = dataclasses.replace(manifest, model_config={"path": str(bare), "seq_len": T})
-    with pytest.raises(ConfigError, match="holds no tokenizer"):
-        text_batches_for(no_tokenizer, str(text))
 
 
 # Clear errors.

@@ -158,10 +158,10 @@ def build_stage(
     """The stage holding blocks [start, end) of model `model_ref`, initialised from run `seed`, on `device`.
 
     Only the held parts are materialised: on the CPU in float32, each from its per-part seed
-    (so they are bit-identical to the same parts in any other stage or the full model), their
-    tensors then read from the model's `native_weights` checkpoint if it has one (only this
-    stage's), then moved to `device`. `loss` is the run's loss by registered name (None: the model's own);
-    `model_ref` resolves under `sources` (`resolve_builder`). Raises ConfigError if the model
+    (so they are bit-identical to the same parts in any other stage or the full model), then
+    read from the model's `native_weights` checkpoint if it has one (this stage's tensors
+    only), then moved to `device`. `loss` is the run's loss by registered name (None: the
+    model's own); `model_ref` resolves under `sources` (`resolve_builder`). Raises ConfigError if the model
     has other than `num_blocks` blocks (when given), [start, end) is not a non-empty range
     within them, the loss is unknown or does not fit the model, a parameter is set by no
     initialiser (`materialise_parts`), or the checkpoint lacks or misshapes a held tensor.
