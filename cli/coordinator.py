@@ -34,7 +34,7 @@ def coordinator(
     model: Annotated[
         str,
         typer.Option(
-            help="Model builder: a registered name (tiny-gpt) or 'package.module:function', "
+            help="Model builder: a registered name (tiny-gpt, hf-causal-lm) or 'package.module:function', "
             "importable on every peer."
         ),
     ] = "tiny-gpt",

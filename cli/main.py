@@ -230,7 +230,7 @@ def train(
     allow_model: AllowModel = None,
     verbose: Verbose = False,
 ) -> None:
-    """Train a run: feed microbatches of byte-level text into the swarm and step it."""
+    """Train a run: feed microbatches of text (bytes, or token ids from the model's tokenizer) into the swarm and step it."""
     setup_logging(verbose)
     from swarmtrain.model import ModelSources
     from swarmtrain.peers.trainer import Trainer, TrainerConfig

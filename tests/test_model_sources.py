@@ -75,7 +75,7 @@ def test_an_unlisted_import_path_is_refused_before_it_is_imported(lab):
     )
     assert f"--allow-model '{lab.path}'" in message
     assert f"'{lab.name}:*'" in message
-    assert "registry ('tiny-gpt')" in message
+    assert "registry ('hf-causal-lm', 'tiny-gpt')" in message
     assert "entry points in group 'swarmtrain.models'" in message
     # A pattern for another module allows nothing here, nor does the default of build_stage.
     with pytest.raises(
@@ -119,7 +119,7 @@ def test_builtins_need_no_allowance():
     assert model.num_blocks == 2
     with pytest.raises(
         UnknownModelError,
-        match=r"unknown model 'gpt-5': builders come from swarmtrain's registry \('tiny-gpt'\)",
+        match=r"unknown model 'gpt-5': builders come from swarmtrain's registry \('hf-causal-lm', 'tiny-gpt'\)",
     ):
         resolve_builder("gpt-5")
 

@@ -4,8 +4,8 @@ A builder is a function of keyword options that returns a `SwarmModel`. A run's 
 names it, and the manifest comes from the DHT, where anyone can write: so a peer builds only
 code it chose itself. A builder comes from
 
-- the registry: swarmtrain's built-ins ('tiny-gpt') and the `register_builder` calls of the
-  peer's own code;
+- the registry: swarmtrain's built-ins ('tiny-gpt', 'hf-causal-lm') and the
+  `register_builder` calls of the peer's own code;
 - an installed package that declares it as an entry point in group 'swarmtrain.models'
   (`name = package.module:function`), loaded by name when a run names it;
 - an import path 'package.module:function' that the peer allows (`ModelSources.allow`,
@@ -91,8 +91,10 @@ def register_builder(name: str) -> Callable[[Builder], Builder]:
 
 
 def _load_builtin_builders() -> None:
-    # Imported here, not at the top: gpt.py imports this module to register itself.
+    # Imported here, not at the top: gpt.py and hf.py import this module to register themselves.
+    # hf.py imports transformers only when a model is built.
     import swarmtrain.model.gpt  # noqa: F401
+    import swarmtrain.model.hf  # noqa: F401
 
 
 def registered_models() -> list[str]:

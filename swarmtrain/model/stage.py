@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from swarmtrain.errors import ConfigError
 from swarmtrain.model.losses import Loss, SampleSpec
+from swarmtrain.model.native import load_native_weights
 from swarmtrain.model.registry import NO_IMPORTS, ModelSources, build_model
 from swarmtrain.model.swarm_model import (
     EMBED_KEY,
@@ -22,7 +23,7 @@ from swarmtrain.model.swarm_model import (
     PROBE_BATCH,
     SwarmModel,
     block_key,
-    init_part,
+    materialise_parts,
     sample_spec,
 )
 
@@ -51,6 +52,7 @@ class StageModule(nn.Module):
         input_spec: SampleSpec,
         output_spec: SampleSpec,
         loss_input_specs: Mapping[str, SampleSpec],
+        native_names: Mapping[str, str] | None = None,
     ):
         super().__init__()
         assert (embed is not None) == (start == 0) and (head is not None) == (end == num_blocks)
@@ -65,6 +67,8 @@ class StageModule(nn.Module):
         self._input_spec = input_spec
         self._output_spec = output_spec
         self._loss_input_specs = dict(loss_input_specs)
+        self.native_names = native_names
+        """The model's `SwarmModel.native_names` (all parts, not only this stage's), or None."""
 
     @property
     def is_first(self) -> bool:
@@ -155,10 +159,12 @@ def build_stage(
 
     Only the held parts are materialised: on the CPU in float32, each from its per-part seed
     (so they are bit-identical to the same parts in any other stage or the full model), then
-    moved to `device`. `loss` is the run's loss by registered name (None: the model's own);
-    `model_ref` resolves under `sources` (`resolve_builder`). Raises ConfigError if the model
+    read from the model's `native_weights` checkpoint if it has one (this stage's tensors
+    only), then moved to `device`. `loss` is the run's loss by registered name (None: the
+    model's own); `model_ref` resolves under `sources` (`resolve_builder`). Raises ConfigError if the model
     has other than `num_blocks` blocks (when given), [start, end) is not a non-empty range
-    within them, or the loss is unknown or does not fit the model.
+    within them, the loss is unknown or does not fit the model, a parameter is set by no
+    initialiser (`materialise_parts`), or the checkpoint lacks or misshapes a held tensor.
     """
     model = build_model(model_ref, model_config, device="meta", sources=sources)
     n = model.num_blocks
@@ -180,9 +186,7 @@ def build_stage(
         held.insert(0, (EMBED_KEY, embed))
     if head is not None:
         held.append((HEAD_KEY, head))
-    for key, part in held:
-        part.to_empty(device="cpu")
-        init_part(part, key, seed, init_weights=model.init_weights)
+    materialise_parts(held, seed, init_weights=model.init_weights)
 
     stage = StageModule(
         embed=embed,
@@ -195,5 +199,8 @@ def build_stage(
         input_spec=input_spec,
         output_spec=output_spec,
         loss_input_specs=loss_input_specs,
+        native_names=model.native_names,
     )
+    if model.native_weights is not None:
+        load_native_weights(stage, model.native_weights)
     return stage.to(device)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from swarmtrain.errors import ConfigError
 from swarmtrain.model.losses import Loss, SampleSpec, check_input_specs, get_loss
+from swarmtrain.model.native import load_native_weights
 
 EMBED_KEY = "embed"
 HEAD_KEY = "head"
@@ -25,6 +27,8 @@ PROBE_BATCH = 2
 
 InitWeights = Callable[[nn.Module], None]
 """Called on every submodule of a part after `reset_parameters()`, nanoGPT's `_init_weights` style."""
+EncodeText = Callable[[bytes], Tensor]
+"""Training text (bytes) -> a 1-D int64 tensor of the model's token ids."""
 
 
 def block_key(index: int) -> str:
@@ -47,7 +51,8 @@ def init_part(module: nn.Module, key: str, run_seed: int, *, init_weights: InitW
 
     The module must already hold real storage on the CPU in float32 (after `to_empty(device="cpu")`
     for a meta-built module); init on any other device or dtype would not be bit-identical across
-    peers, so it raises ValueError. Parameters that neither hook touches keep whatever was there.
+    peers, so it raises ValueError. Parameters that neither hook touches keep whatever was there
+    (`materialise_parts` refuses a part that has any).
     """
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if tensor.device.type != "cpu" or (tensor.is_floating_point() and tensor.dtype != torch.float32):
@@ -64,6 +69,38 @@ def init_part(module: nn.Module, key: str, run_seed: int, *, init_weights: InitW
         if init_weights is not None:
             for m in module.modules():
                 init_weights(m)
+
+
+def materialise_parts(
+    parts: Sequence[tuple[str, nn.Module]], run_seed: int, *, init_weights: InitWeights | None = None
+) -> None:
+    """Give meta-built `parts` (key, module) real storage on the CPU and initialise each with `init_part`.
+
+    Every floating parameter and buffer is filled with NaN between `to_empty` and the init, so
+    one that no initialiser sets is seen, not left holding whatever memory it landed on (which
+    may differ between peers, or look like plausible weights). Raises ConfigError naming each
+    such tensor by part key and name ('block.3.attn.c_attn.weight'), across all the parts.
+    """
+    unset = []
+    for key, part in parts:
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            for t in [*part.parameters(), *part.buffers()]:
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+        init_part(part, key, run_seed, init_weights=init_weights)
+        unset += [
+            f"{kind} {key}.{name}"
+            for kind, named in (("parameter", part.named_parameters()), ("buffer", part.named_buffers()))
+            for name, t in named
+            if t.is_floating_point() and torch.isnan(t).any()
+        ]
+    if unset:
+        raise ConfigError(
+            f"{', '.join(unset)} {'is' if len(unset) == 1 else 'are'} set by no reset_parameters() or "
+            "init_weights (NaN after init): give its module a reset_parameters, or set it in the "
+            "SwarmModel's init_weights"
+        )
 
 
 def sample_spec(x: Tensor, where: str) -> SampleSpec:
@@ -116,8 +153,15 @@ class SwarmModel(nn.Module):
 
     Contract for builders: parts share no parameters (no weight tying across parts), every
     parameter is set by some submodule's `reset_parameters()` or by `init_weights` (a meta-built
-    part materialised with `to_empty` holds garbage otherwise), each part maps a batch to a batch
-    with the batch on dim 0, and nothing registers buffers that must survive `to_empty`.
+    part materialised with `to_empty` holds garbage otherwise; `materialise_parts` refuses it),
+    each part maps a batch to a batch with the batch on dim 0, and nothing registers buffers
+    that must survive `to_empty`.
+
+    Optional, for models that have a checkpoint format of their own (swarmtrain.model.hf):
+    `native_names` maps each parameter's swarm name to its name there, `native_weights` names a
+    folder of such a checkpoint that parts load after their init (`swarmtrain.model.native`),
+    and `encode_text` turns training text into the model's token ids (None: the bytes are the
+    tokens, as for tiny-gpt).
     """
 
     def __init__(
@@ -133,6 +177,9 @@ class SwarmModel(nn.Module):
         target_shape: tuple[int, ...] | None = None,
         target_dtype: torch.dtype | None = None,
         init_weights: InitWeights | None = None,
+        native_names: Mapping[str, str] | None = None,
+        native_weights: str | Path | None = None,
+        encode_text: EncodeText | None = None,
     ):
         super().__init__()
         if len(blocks) == 0:
@@ -146,6 +193,17 @@ class SwarmModel(nn.Module):
         """Shape of one input sample, without the batch dim, e.g. (seq_len,) for tokens."""
         self.input_dtype = input_dtype
         self.init_weights = init_weights
+        self.native_names = dict(native_names) if native_names else None
+        """Swarm parameter name ('block.3.attn.c_attn.weight') -> its name in the model's native
+        checkpoint ('transformer.h.3.attn.c_attn.weight'), for every parameter; None: the model
+        has no native format."""
+        self.native_weights = None if native_weights is None else str(native_weights)
+        """A folder of native safetensors (named as `native_names` says) whose tensors every
+        stage loads into its parts after their init; None: the parts keep their init."""
+        self.encode_text = encode_text
+        """Text (bytes) -> a 1-D int64 tensor of token ids; None: each byte is a token."""
+        if native_weights is not None and not self.native_names:
+            raise ConfigError("a SwarmModel with native_weights needs native_names to find its tensors there")
 
     @property
     def num_blocks(self) -> int:
@@ -163,6 +221,14 @@ class SwarmModel(nn.Module):
         """Initialise every part from `run_seed` (see `init_part`); the model must be on the CPU in float32."""
         for key, part in self.parts():
             init_part(part, key, run_seed, init_weights=self.init_weights)
+
+    def materialise(self, run_seed: int) -> None:
+        """Give a meta-built model real storage on the CPU in float32 and its initial weights:
+        every part initialised as a stage initialises it (`materialise_parts`: ConfigError for a
+        parameter no initialiser sets), then the parts' tensors loaded from `native_weights` if set."""
+        materialise_parts(self.parts(), run_seed, init_weights=self.init_weights)
+        if self.native_weights is not None:
+            load_native_weights(self, self.native_weights)
 
     def resolve_loss(self, loss: str | None = None) -> Loss:
         """The registered loss named `loss`, or the model's own for None; ConfigError for an unknown name."""

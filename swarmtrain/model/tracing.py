@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from swarmtrain.errors import ConfigError
 from swarmtrain.model.registry import build_model
-from swarmtrain.model.swarm_model import EMBED_KEY, HEAD_KEY, SwarmModel, block_key, init_part
+from swarmtrain.model.swarm_model import EMBED_KEY, HEAD_KEY, SwarmModel, block_key, materialise_parts
 
 TRACE_DTYPES = {4: torch.float32, 2: torch.bfloat16}
 """Parameter and activation dtype a model is traced in, by `dtype_bytes`."""
@@ -317,8 +317,7 @@ def measure_block_seconds(
     trace, _out = _trace(lambda: block(_leaf(x)), block)
     flops = float(trace.forward_flops + trace.backward_flops)
 
-    block.to_empty(device="cpu")
-    init_part(block, block_key(block_index), 0, init_weights=model.init_weights)
+    materialise_parts([(block_key(block_index), block)], 0, init_weights=model.init_weights)
     block.to(device=device, dtype=dtype)
     inp = torch.randn(x.shape, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(x.shape, device=device, dtype=dtype)

@@ -1,5 +1,5 @@
-"""Microbatches: the (inputs, loss inputs) form trainers send, byte-level training text, and
-the random-window batches drawn from it.
+"""Microbatches: the (inputs, loss inputs) form trainers send, training text (as bytes, or
+token ids from a model's tokenizer), and the random-window batches drawn from it.
 
 The default corpus is the source of Python's standard library: it is on every machine that
 runs swarmtrain, so a demo swarm needs no download. It is identical across peers only when
@@ -111,21 +111,30 @@ def load_text(source: str, *, max_bytes: int = 16 * 2**20) -> bytes:
 class TokenBatches:
     """An endless iterator of (tokens, targets) microbatches of random windows of `data`.
 
-    Each item is two int64 tensors of shape (microbatch_size, seq_len); targets are the tokens
-    shifted left by one (the next byte). Windows start at uniformly random offsets drawn from a
-    torch.Generator seeded with `seed`, so the same data, sizes and seed give the same batches.
+    `data` is bytes (each byte a token, for byte-level models such as tiny-gpt) or a 1-D
+    integer tensor of token ids (a tokenizer's output). Each item is two int64 tensors of shape
+    (microbatch_size, seq_len); targets are the tokens shifted left by one (the next token).
+    Windows start at uniformly random offsets drawn from a torch.Generator seeded with `seed`,
+    so the same data, sizes and seed give the same batches.
     """
 
-    def __init__(self, data: bytes, *, seq_len: int, microbatch_size: int, seed: int):
+    def __init__(self, data: bytes | Tensor, *, seq_len: int, microbatch_size: int, seed: int):
         for name, value in (("seq_len", seq_len), ("microbatch_size", microbatch_size)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(data, Tensor):
+            if data.dim() != 1 or data.is_floating_point() or data.is_complex():
+                raise ConfigError(f"token ids must be a 1-D integer tensor, got {data.dim()}-D {data.dtype}")
+            unit = "tokens"
+        else:
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0)
+            unit = "bytes"
         if len(data) < seq_len + 1:
             raise ConfigError(
-                f"the text holds {len(data)} bytes, too few for windows of seq_len + 1 = {seq_len + 1}: "
+                f"the text holds {len(data)} {unit}, too few for windows of seq_len + 1 = {seq_len + 1}: "
                 "use more text or a shorter seq_len"
             )
-        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)
+        self.data = data  # (N,)
         self.seq_len = seq_len
         self.microbatch_size = microbatch_size
         self._gen = torch.Generator().manual_seed(seed)
@@ -147,9 +156,10 @@ def text_batches_for(
     """Microbatches of `source` text shaped for `manifest`'s model, in the run seed's order.
 
     Only token models (input: (seq_len,) integer ids) can be fed text; for any other model
-    run a trainer from Python over your own data. The manifest's model is built (on the meta
-    device) only from where `models` (a `ModelSources`; None: no import path) lets this peer
-    take builders.
+    run a trainer from Python over your own data. The text becomes tokens through the model's
+    `encode_text` (hf-causal-lm: the tokenizer in its folder), or byte by byte for a model
+    without one (tiny-gpt). The manifest's model is built (on the meta device) only from where
+    `models` (a `ModelSources`; None: no import path) lets this peer take builders.
     """
     from swarmtrain.model import ModelSources, build_model, resolve_builder
 
@@ -161,8 +171,9 @@ def text_batches_for(
             f"model {manifest.model!r} does not take token ids, so `swarmtrain train` cannot feed it text: "
             "run a trainer from Python over your own data (see examples/custom_model.py)"
         )
+    text = load_text(source)
     return TokenBatches(
-        load_text(source),
+        text if model.encode_text is None else model.encode_text(text),
         seq_len=model.input_shape[0],
         microbatch_size=manifest.batch.microbatch_size,
         seed=manifest.seed,

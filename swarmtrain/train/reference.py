@@ -64,10 +64,11 @@ def train_reference(
     Each microbatch is (inputs, targets) or (inputs, {name: tensor}), the named inputs of
     `loss` (a registered name, as a run manifest gives it; None: the model's own loss).
     The model is initialised exactly as stages initialise their parts (meta build, CPU float32,
-    per-part seeds from `seed`), and each step zeroes the grads, backpropagates
-    loss / microbatches_per_step for every microbatch, clips the gradient norm to the
-    optimizer's max_grad_norm (torch.nn.utils.clip_grad_norm_, when it is > 0), then steps the
-    optimizer once at the schedule's learning rate for that step of a run of `max_steps`.
+    per-part seeds from `seed`, then the model's native checkpoint if it names one), and each
+    step zeroes the grads, backpropagates loss / microbatches_per_step for every microbatch,
+    clips the gradient norm to the optimizer's max_grad_norm (torch.nn.utils.clip_grad_norm_,
+    when it is > 0), then steps the optimizer once at the schedule's learning rate for that step
+    of a run of `max_steps`.
     """
     if steps < 1 or microbatches_per_step < 1:
         raise ValueError(
@@ -75,8 +76,7 @@ def train_reference(
         )
     net = build_model(model, model_config, device="meta")
     run_loss = net.resolve_loss(loss)
-    net.to_empty(device="cpu")
-    net.reset_parameters(seed)
+    net.materialise(seed)
     net.train()
     opt = make_optimizer(net.parameters(), optimizer)
     M = microbatches_per_step
