@@ -165,6 +165,8 @@ def export(
         )
         done = export_model(node, run_id, out, resumable=resumable, timeout_s=timeout)
         typer.echo(f"exported step {done.step} ({done.num_params:,} parameters) to {done.out}")
+        if done.native is not None:
+            typer.echo(f"as a Hugging Face folder (from_pretrained) in {done.native}")
 
     run_guarded(main)
 

@@ -24,6 +24,8 @@ from torch import nn
 
 from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError, SwarmError
 from swarmtrain.model import ModelSources, build_model
+from swarmtrain.model.hf import BUILDER as HF_BUILDER
+from swarmtrain.model.hf import save_native
 from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.model.swarm_model import EMBED_KEY, HEAD_KEY, block_key
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
@@ -44,11 +46,17 @@ logger = logging.getLogger(__name__)
 STATE_TIMEOUT_S = 120.0
 
 
+NATIVE_DIR = "hf"
+"""Where an export of a Hugging Face model also writes it in transformers' own layout."""
+
+
 @dataclass(frozen=True)
 class Exported:
     out: Path
     step: int
     num_params: int
+    native: Path | None = None
+    """The model in its native layout (a Hugging Face folder), if its builder has one."""
 
 
 async def _fetch_all(node: SwarmNode, manifest, timeout_s: float) -> tuple[int, list[dict]]:
@@ -134,7 +142,10 @@ def export_model(
     if resumable:
         meta["manifest"] = manifest.to_dict()
     where = write_model_dir(out, params=params, meta=meta, optimizer=optimizer if resumable else None)
-    return Exported(out=where, step=step, num_params=sum(t.numel() for t in params.values()))
+    native = None
+    if manifest.model == HF_BUILDER:  # and as a folder transformers loads: from_pretrained(OUT/hf)
+        native = save_native(params, manifest.model_config, where / NATIVE_DIR)
+    return Exported(out=where, step=step, num_params=sum(t.numel() for t in params.values()), native=native)
 
 
 def _model_name(swarm_name: str) -> str:

@@ -187,3 +187,19 @@ def test_a_real_swarm_trains_a_gpt2_folder_like_the_reference(local_swarm, tmp_p
     losses = torch.tensor([r.loss for r in results])
     torch.testing.assert_close(losses, torch.tensor(reference.losses), rtol=1e-4, atol=0)
     assert reference.losses[-1] < reference.losses[0]
+    # out of the swarm as a folder transformers loads, holding the swarm's trained weights
+    from safetensors.torch import load_file
+
+    from swarmtrain.peers.export import load_exported
+    from tests.test_durability import export
+
+    assert "as a Hugging Face folder" in export(swarm, tmp_path / "out")
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(exported) == set(reference.state)
+    for key, value in reference.state.items():
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=1e-4)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf")
+    x = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = load_exported(tmp_path / "out")(x)
+        torch.testing.assert_close(loaded(x).logits, ours, rtol=1e-5, atol=1e-5)
