@@ -82,7 +82,8 @@ class StageCheckpointer:
         step, state, names, digest = await scheduler.call(
             lambda: (runner.step, runner.export_state(), list(runner.named_params), runner.param_digest())
         )
-        self.stats.longest_pause_s = max(self.stats.longest_pause_s, time.perf_counter() - t0)
+        pause = time.perf_counter() - t0  # queued behind compute already running, and the copy
+        self.stats.longest_pause_s = max(self.stats.longest_pause_s, pause)
         start, end = self.manifest.stage_span(stage)
         meta = {
             "blocks": [start, end],
@@ -115,7 +116,10 @@ class StageCheckpointer:
         if written:
             self.stats.written += 1
             self.stats.last_bytes = written
-            logger.info("checkpointed stage %d at step %d (%d bytes) in %s", stage, step, written, where)
+            logger.info(
+                "checkpointed stage %d at step %d: %d bytes in %s (copy %.1f ms, write %.1f ms)",
+                stage, step, written, where, pause * 1e3, self.stats.last_write_s * 1e3,
+            )  # fmt: skip
         return where
 
     def state_at(self, stage: int, step: int, param_names: list[str]) -> dict[str, Tensor] | None:
