@@ -193,6 +193,14 @@ def coordinator(
             "from the run seed (default: it waits, shown as lost).",
         ),
     ] = False,
+    checkpoint_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Gather whole-run checkpoints from the stages into this directory (each resumable with "
+            "--resume DIR/RUN/step-N) and serve them to peers bringing a lost stage back.",
+            show_default="no archive",
+        ),
+    ] = None,
     init_from: Annotated[
         Path | None,
         typer.Option(
@@ -274,6 +282,7 @@ def coordinator(
             allow_reinit=allow_reinit,
             init_from=None if (init_from or resume) is None else str(resume or init_from),
             resume=resume is not None,
+            checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
             dashboard=None
             if dashboard_port is None
             else DashboardConfig(host=dashboard_host, port=dashboard_port),

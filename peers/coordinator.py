@@ -78,6 +78,9 @@ class CoordinatorConfig:
     resume: bool = False
     """`init_from` is a run checkpoint: the run starts again from it, its settings, optimizer
     state and step included (the flags that shape the run are ignored)."""
+    checkpoint_dir: str | None = None
+    """Gather whole-run checkpoints from the stages into this directory and serve them
+    (`peers/archivist.py`); None: no archivist."""
     republish_s: float = 10.0
     """Seconds between republications of the manifest."""
     dashboard: DashboardConfig | None = None
@@ -157,6 +160,11 @@ class Coordinator:
             except BaseException:
                 self.node.shutdown()
                 raise
+        self.archivist = None
+        if config.checkpoint_dir is not None:
+            from swarmtrain.peers.archivist import Archivist
+
+            self.archivist = Archivist(self.node, self.manifest, config.checkpoint_dir)
         self._closed = threading.Event()
         self.finished = False
         """The run's last step was committed (`run_length.run_is_over`); announced in the record."""
@@ -187,6 +195,7 @@ class Coordinator:
             version=swarmtrain.__version__,
             state="finished" if self.finished else "serving",
             step=m.max_steps if self.finished else 0,
+            checkpoints=self.archivist.held() if self.archivist is not None else (),
         )
         self.node.announce(m.run_id, record, ttl_s=3 * self.config.republish_s)
 
@@ -203,6 +212,8 @@ class Coordinator:
 
     def close(self) -> None:
         self._closed.set()
+        if self.archivist is not None:
+            self.archivist.close()
         if self.dashboard is not None:
             self.dashboard.stop()
         self.node.shutdown()

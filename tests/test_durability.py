@@ -153,3 +153,42 @@ def test_export_reload_resume_and_init_from(local_swarm, tmp_path):
     with started.trainer() as trainer:
         (fresh,) = trainer.train(iter(data[3 * m :]), steps=1)
     assert fresh.step == 0 and fresh.loss == _pytest.approx(on[0].loss, rel=1e-5)
+
+
+def test_an_archivist_keeps_a_stage_whose_replicas_and_their_disks_are_gone(local_swarm, tmp_path):
+    import os
+    import shutil
+    from pathlib import Path
+
+    archive = tmp_path / "archive"
+    swarm = two_stage_swarm(local_swarm, "--checkpoint-every", "2", "--checkpoint-dir", str(archive))
+    data = microbatches()
+    m = BATCH.microbatches_per_step
+    with swarm.trainer() as trainer:
+        it = iter(data)
+        before = list(trainer.train(it, steps=3))  # every stage checkpoints after step 1
+        wait_until(
+            lambda: any(r.role == "coordinator" and 2 in r.checkpoints for r in records_of(trainer)),
+            timeout_s=60,
+            what="the archivist to gather step 2 and announce it",
+        )
+        run = archive / swarm.config.run_id / "step-00000002"
+        assert {p.name for p in run.iterdir()} == {
+            "model.safetensors",
+            "optimizer.safetensors",
+            "swarmtrain.json",
+        }
+        kill_stage(swarm, trainer, 1)
+        lost_disk = Path(os.environ["SWARMTRAIN_HOME"]) / "checkpoints" / swarm.config.run_id / "stage-1"
+        shutil.rmtree(lost_disk)  # the spot machine is gone with its disk
+        archivist = next(r.peer_id for r in records_of(trainer) if r.role == "coordinator")
+        joiner = swarm.spawn_stage(1, extra_args=STILL)
+        after = list(trainer.train(it, steps=2))
+    assert f"restored from the checkpoint of step 2 (held by {archivist})" in swarm.log_tail(joiner, 40)
+    assert "checkpoint of step 2" in after[0].rolled_back and "losing 1 step(s)" in after[0].rolled_back
+    resumed = data[: 2 * m] + data[3 * m : 5 * m]
+    reference = reference_losses(
+        seed=SEED, optimizer=OPTIMIZER, batches=iter(resumed), steps=4, microbatches_per_step=m
+    )
+    assert_losses_match_reference(before[:2], SimpleNamespace(losses=reference.losses[:2]))
+    assert_losses_match_reference(after, SimpleNamespace(losses=reference.losses[2:]))
