@@ -231,9 +231,10 @@ class Trainer:
                     for k in missing
                     if k in by_stage
                 )
+                at = f" at step {step}" if step >= 0 else ""
                 raise StepFailedError(
-                    f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.manifest.run_id!r} "
-                    f"at step {step}{' (' + seen + ')' if seen else ''}: "
+                    f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.manifest.run_id!r}"
+                    f"{at}{' (' + seen + ')' if seen else ''}: "
                     "start one with `swarmtrain join --initial-peers ADDR --stage K`"
                 )
             await asyncio.sleep(0.25)

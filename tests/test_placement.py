@@ -245,3 +245,17 @@ def test_choose_stage_says_when_the_peer_fits_no_stage():
         choose_stage(MANIFEST, [stage_peer("a", 0)], [False, False, False], CAPACITY)
     with pytest.raises(ConfigError, match="fits has 2 entries for a run of 3 stages"):
         choose_stage(MANIFEST, [], [True, True], CAPACITY)
+
+
+def test_peers_that_joined_at_once_on_one_stage_spread_to_the_stages_nobody_serves():
+    from dataclasses import replace
+
+    from swarmtrain.train.placement import StageRebalancer
+
+    rebalancer = StageRebalancer(MANIFEST)
+    a, b, c = (replace(stage_peer(p, 0), since=t) for p, t in (("a", 1.0), ("b", 2.0), ("c", 2.0)))
+    records = [a, b, c]
+    # the newest spare replica of stage 0 (latest since, then highest id) goes at the first check
+    assert [rebalancer.check(p, records) for p in ("a", "b", "c")] == [None, None, 1]
+    # the last replica of a stage never leaves it, even for a stage nobody serves
+    assert rebalancer.check("a", [a]) is None

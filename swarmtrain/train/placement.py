@@ -119,7 +119,8 @@ class StageRebalancer:
     whose move would raise predicted swarm throughput most (ties: lowest peer id) is the
     only candidate, so replicas never leave a stage in a herd; the pure `Rebalancer` then
     requires the gain to clear `min_gain` for `patience` consecutive checks, and never
-    takes a stage's last replica.
+    takes a stage's last replica. A stage nobody serves (peers that joined at once all took
+    the same one) is filled at the first check by the newest replica of a stage that has two.
     """
 
     def __init__(self, manifest, *, min_gain: float = 0.1, patience: int = 3):
@@ -137,9 +138,12 @@ class StageRebalancer:
         serving = [r for r in records if r.role == "stage" and r.state == "serving"]
         if me not in {r.peer_id for r in serving}:
             return None
+        unserved = [k for k in range(self.manifest.num_stages) if not any(r.stage == k for r in serving)]
+        if unserved:  # peers that joined at once all took the same stage: the newest spare one fills a gap
+            here = next(r.stage for r in serving if r.peer_id == me)
+            mine = sorted((r for r in serving if r.stage == here), key=lambda r: (r.since, r.peer_id))
+            return unserved[0] if len(mine) >= 2 and mine[-1].peer_id == me else None
         plan = layout_plan(self.manifest, serving)
-        if not plan.is_complete:
-            return None
         peers = [capacity_of(r) for r in serving]
         here = plan.assignments[me]
         candidates = [best_move(plan, self.costs, peers, self.config, p) for p in sorted(plan.replicas(here))]
