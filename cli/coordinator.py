@@ -193,6 +193,14 @@ def coordinator(
             "from the run seed (default: it waits, shown as lost).",
         ),
     ] = False,
+    restore_lost_stage_only: Annotated[
+        bool,
+        typer.Option(
+            "--restore-lost-stage-only",
+            help="A stage that lost every replica comes back from its checkpoint alone; the other stages "
+            "keep their state (default: the whole run goes back to that checkpoint).",
+        ),
+    ] = False,
     checkpoint_dir: Annotated[
         Path | None,
         typer.Option(
@@ -280,6 +288,7 @@ def coordinator(
             loss=loss,
             checkpoint_every=checkpoint_every,
             allow_reinit=allow_reinit,
+            restore_lost_stage_only=restore_lost_stage_only,
             init_from=None if (init_from or resume) is None else str(resume or init_from),
             resume=resume is not None,
             checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),

@@ -73,6 +73,8 @@ class CoordinatorConfig:
     """Stage replicas checkpoint their stage every this many steps (0: never)."""
     allow_reinit: bool = False
     """A lost stage with no checkpoint anywhere starts again from the seed instead of waiting."""
+    restore_lost_stage_only: bool = False
+    """A lost stage comes back from its checkpoint alone; the other stages keep their state."""
     init_from: str | None = None
     """A model directory every stage starts from (`swarmtrain export`'s output), instead of the seed."""
     resume: bool = False
@@ -118,6 +120,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         trainers=tuple(config.trainers),
         checkpoint_every=config.checkpoint_every,
         allow_reinit=config.allow_reinit,
+        restore_lost_stage_only=config.restore_lost_stage_only,
     )
 
 

@@ -243,7 +243,8 @@ class Trainer:
         """The rollback a lost stage calls for, None if none (`swarmtrain.train.rollback`)."""
         records = await self.node.peers_async(self.manifest.run_id)
         steps = {k: [self._step_of(r) for r in rs] for k, rs in stage_replicas(records).items()}
-        return plan_rollback(steps, records, self.step, self.manifest.num_stages)
+        m = self.manifest
+        return plan_rollback(steps, records, self.step, m.num_stages, stage_only=m.restore_lost_stage_only)
 
     async def _roll_back(self, plan: RollbackPlan) -> None:
         """Send every serving replica of every stage the rollback; go on as `plan.step`."""
@@ -251,7 +252,9 @@ class Trainer:
         by_stage = stage_replicas(await self.node.peers_async(self.manifest.run_id))
 
         async def one(stage: int, peer: str) -> None:
-            meta = Rollback(checkpoint=plan.checkpoint, sources=plan.sources.get(stage, ())).to_meta()
+            meta = Rollback(
+                checkpoint=plan.checkpoint_for(stage), sources=plan.sources.get(stage, ())
+            ).to_meta()
             frame = Frame(kind="step", run_id=self.manifest.run_id, stage=stage, step=plan.step, meta=meta)
             try:
                 reply = await self.transport.call(peer, self.handler, frame, timeout_s=ROLLBACK_TIMEOUT_S)
@@ -263,7 +266,7 @@ class Trainer:
         self.step = plan.step
         # the step before the one the run goes on as counts as done: a replica that missed the
         # rollback is behind, and may catch up from one that did not (`authority.claim_limit`)
-        self._publish_point(plan.step - 1, float("nan"), 0.0, 0)
+        self._publish_point(plan.step - 1, float("nan"), 0.0, 0, rolled_back=plan.describe())
 
     def route(self) -> list[str]:
         """One serving peer per stage (the earliest replica), waiting up to wait_for_stages_s."""
@@ -317,7 +320,9 @@ class Trainer:
         """Announce the step's loss and speed under `{run}.trainers` (fire and forget)."""
         self._publish_point(result.step, result.loss, result.tokens_per_s, result.window)
 
-    def _publish_point(self, step: int, loss: float, tokens_per_s: float, window: int) -> None:
+    def _publish_point(
+        self, step: int, loss: float, tokens_per_s: float, window: int, *, rolled_back: str = ""
+    ) -> None:
         from swarmtrain.wire.metrics import TrainerPoint
 
         point = TrainerPoint(
@@ -330,6 +335,7 @@ class Trainer:
             replayed=self.totals["replayed"],
             dropped=self.totals["dropped"],
             window=window,
+            rolled_back=rolled_back,
         )
         self._published = self.node.publish_trainer_point(self.manifest.run_id, point, ttl_s=60)
 

@@ -153,3 +153,12 @@ def test_the_rollback_plan():
     assert plan_rollback({0: [7], 1: []}, records, run_step=7, num_stages=2) is None  # nobody to go back to
     # nobody holds stage 0's checkpoint of step 5: no rollback (the trainer waits, and says why)
     assert plan_rollback({0: [7], 1: [5]}, records, run_step=7, num_stages=2) is None
+
+
+def test_restoring_only_the_lost_stage_is_a_choice_that_needs_no_other_checkpoint():
+    records = [record(A, 0, 7, ()), record(C, 1, 6, (6,))]
+    assert plan_rollback({0: [7], 1: [6]}, records, run_step=7, num_stages=2) is None  # stage 0 holds no 6
+    plan = plan_rollback({0: [7], 1: [6]}, records, run_step=7, num_stages=2, stage_only=True)
+    assert (plan.checkpoint, plan.step, plan.stage_only) == (6, 8, True)
+    assert [plan.checkpoint_for(k) for k in (0, 1)] == [7, 6]  # stage 0 keeps its state: a relabel
+    assert "came back alone" in plan.describe() and "kept their state" in plan.describe()

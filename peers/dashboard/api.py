@@ -107,7 +107,7 @@ class TrainerView(BaseModel):
 
 class EventView(BaseModel):
     t: float
-    kind: str = Field(description="join, leave, state, move, ban, replay, drop or step.")
+    kind: str = Field(description="join, leave, state, move, ban, replay, drop, rollback or step.")
     peer_id: str
     text: str
 

@@ -63,6 +63,7 @@ PAGE = """<!doctype html>
   #events .join .kind, #events .step .kind { color: var(--serving); }
   #events .leave .kind, #events .ban .kind, #events .drop .kind { color: var(--banned); }
   #events .replay .kind, #events .move .kind { color: var(--draining); }
+  #events .rollback .kind { color: var(--lost); }
   #status.down { color: var(--banned); }
   @media (max-width: 600px) {
     main { padding: 8px; gap: 8px; } header { padding: 8px; } section { padding: 8px; }

@@ -210,6 +210,8 @@ class SwarmView:
             if last is not None and point.dropped > last.dropped:
                 text = f"{who} dropped {point.dropped - last.dropped} microbatch(es) ({point.dropped} in all)"
                 new.append(Event(t=point.t, kind="drop", peer_id=point.trainer, text=text))
+            if point.rolled_back:
+                new.append(Event(t=point.t, kind="rollback", peer_id=point.trainer, text=point.rolled_back))
             series.append(point)
             self.events.extend(new)
             self.version += 1

@@ -27,6 +27,12 @@ class RollbackPlan:
     """The stages that had no replica at the run's step."""
     sources: Mapping[int, tuple[str, ...]]
     """Per stage, peers that hold its checkpoint of that step (stage peers, archivists)."""
+    stage_only: bool = False
+    """Only the lost stages go back; the others keep their state (the run's explicit choice)."""
+
+    def checkpoint_for(self, stage: int) -> int:
+        """The step `stage` goes back to: the checkpoint, or where it is (`stage_only`)."""
+        return self.checkpoint if not self.stage_only or stage in self.lost_stages else self.step - 1
 
     @property
     def lost_steps(self) -> int:
@@ -34,6 +40,11 @@ class RollbackPlan:
 
     def describe(self) -> str:
         stages = ", ".join(map(str, self.lost_stages))
+        if self.stage_only:
+            return (
+                f"stage(s) {stages} lost every replica and came back alone from the checkpoint of step "
+                f"{self.checkpoint}; the other stages kept their state (the run restores only lost stages)"
+            )
         return (
             f"stage(s) {stages} lost every replica and came back from the checkpoint of step "
             f"{self.checkpoint}: the run went back to it, losing {self.lost_steps} step(s)"
@@ -53,7 +64,12 @@ def checkpoint_holders(records: list[PeerRecord], stage: int, step: int) -> tupl
 
 
 def plan_rollback(
-    replica_steps: Mapping[int, list[int]], records: list[PeerRecord], run_step: int, num_stages: int
+    replica_steps: Mapping[int, list[int]],
+    records: list[PeerRecord],
+    run_step: int,
+    num_stages: int,
+    *,
+    stage_only: bool = False,
 ) -> RollbackPlan | None:
     """The rollback that makes every stage consistent again, None if none is needed or possible.
 
@@ -68,10 +84,12 @@ def plan_rollback(
     sources = {}
     for k in range(num_stages):
         holders = checkpoint_holders(records, k, target)
-        if target not in replica_steps.get(k, []) and not holders:
+        if target not in replica_steps.get(k, []) and not holders and not (stage_only and k not in lost):
             return None
         sources[k] = holders
-    return RollbackPlan(checkpoint=target, step=run_step + 1, lost_stages=tuple(lost), sources=sources)
+    return RollbackPlan(
+        checkpoint=target, step=run_step + 1, lost_stages=tuple(lost), sources=sources, stage_only=stage_only
+    )
 
 
 class RollbackNeeded(Exception):

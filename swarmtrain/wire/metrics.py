@@ -36,6 +36,9 @@ class TrainerPoint:
     """Microbatches left out of their step, each with a cause (see StepResult.dropped_causes)."""
     window: int = 0
     """Microbatches the trainer keeps in flight at once (it adapts to the swarm's throughput)."""
+    rolled_back: str = ""
+    """Set on the point a trainer publishes when it sent the run back to a checkpoint (a stage
+    lost every replica): what was lost and why (`swarmtrain.train.rollback`)."""
 
     def __post_init__(self):
         if not isinstance(self.trainer, str) or not self.trainer:
@@ -47,6 +50,8 @@ class TrainerPoint:
         object.__setattr__(self, "t", float(self.t))
         if not math.isfinite(self.tokens_per_s) or self.tokens_per_s < 0:
             raise ConfigError(f"trainer point: tokens_per_s must be finite and >= 0, got {self.tokens_per_s}")
+        if not isinstance(self.rolled_back, str) or len(self.rolled_back) > 512:
+            raise ConfigError("trainer point: rolled_back must be a text of at most 512 characters")
         for name in ("completed", "replayed", "dropped", "window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -128,6 +128,9 @@ class RunManifest:
     allow_reinit: bool = False
     """A stage that lost its last replica, with no checkpoint of it anywhere, starts again from
     the run seed (False: it waits in the 'lost' state for a checkpoint to appear)."""
+    restore_lost_stage_only: bool = False
+    """A stage that lost every replica comes back from its checkpoint alone, the others keeping
+    their state (False: the whole run goes back to that checkpoint)."""
     init_from: str | None = None
     """A directory every stage peer reads its starting state from (only its own tensors): an
     exported model or a run checkpoint (`swarmtrain.train.archive`); None: the run seed."""
@@ -151,6 +154,10 @@ class RunManifest:
         ):
             raise ConfigError(
                 f"manifest: checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}"
+            )
+        if not isinstance(self.restore_lost_stage_only, bool):
+            raise ConfigError(
+                f"manifest: restore_lost_stage_only must be true or false, got {self.restore_lost_stage_only!r}"
             )
         if not isinstance(self.allow_reinit, bool):
             raise ConfigError(f"manifest: allow_reinit must be true or false, got {self.allow_reinit!r}")
@@ -241,6 +248,7 @@ class RunManifest:
             "trainers": list(self.trainers),
             "checkpoint_every": self.checkpoint_every,
             "allow_reinit": self.allow_reinit,
+            "restore_lost_stage_only": self.restore_lost_stage_only,
             "init_from": self.init_from,
             "resume": self.resume,
             "wire_version": self.wire_version,
