@@ -188,6 +188,9 @@ class Trainer:
         elif refresh or time.monotonic() - self._replicas_at > REFRESH_S:
             self._replicas = await self._replicas_at_step(wait=False)
             self._replicas_at = time.monotonic()
+            gap = any(not self._replicas.get(k) for k in range(self.manifest.num_stages))
+            if gap and (plan := await self._rollback_plan()):  # a stage was lost mid-step
+                raise RollbackNeeded(plan)
         return self._replicas
 
     async def wait_for_replica(self, max_wait_s: float) -> None:
@@ -410,13 +413,16 @@ class Trainer:
                 try:
                     result = self._run(TrainerStep(self._context(), self.step, microbatches).run())
                     break
-                except RollbackNeeded as e:  # the stage was lost during the step
+                except (RollbackNeeded, StepFailedError) as e:  # a stage was lost during the step
+                    plan = e.plan if isinstance(e, RollbackNeeded) else self._run(self._rollback_plan())
+                    if plan is None:
+                        raise
                     if rolled_back is not None:
                         raise StepFailedError(
                             f"step {self.step}: {e} again, right after a rollback"
                         ) from None
-                    self._run(self._roll_back(e.plan))
-                    rolled_back = e.plan
+                    self._run(self._roll_back(plan))
+                    rolled_back = plan
             if rolled_back is not None:
                 result = replace(result, rolled_back=rolled_back.describe())
             self.step = result.step + 1

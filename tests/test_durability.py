@@ -5,6 +5,7 @@ training from that checkpoint would), or, with no checkpoint anywhere, waits in 
 
 import itertools
 import signal
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -54,31 +55,50 @@ def kill_stage(swarm, trainer, stage: int) -> None:
     )
 
 
-def test_a_lost_stage_comes_back_from_its_checkpoint_and_the_run_goes_back_with_it(local_swarm):
-    swarm = two_stage_swarm(local_swarm, "--checkpoint-every", "3")
-    data = microbatches()
+def test_a_stage_lost_mid_step_comes_back_from_its_checkpoint_and_the_run_goes_back_with_it(local_swarm):
+    """Stage 1's only replica is killed (kill -9, its disk kept: a spot machine that comes back)
+    in the middle of step 4's loss computations; a new peer takes the stage from the checkpoint
+    of step 3 while the trainer is still in step 4."""
     m = BATCH.microbatches_per_step
-    with swarm.trainer() as trainer:
-        it = iter(data)
-        before = list(trainer.train(it, steps=5))  # steps 0-4; every stage checkpoints after step 2
-        held = {r.stage: r.checkpoints for r in records_of(trainer) if r.role == "stage"}
-        assert held == {0: (3,), 1: (3,)}, held
-        kill_stage(swarm, trainer, 1)
-        swarm.spawn_stage(1, extra_args=STILL)  # its disk still holds the killed replica's checkpoints
-        after = list(trainer.train(it, steps=3))
-    assert [r.step for r in before] == [0, 1, 2, 3, 4]
-    assert [r.step for r in after] == [6, 7, 8]  # step numbers never go back; step 5 went to the rollback
-    assert "stage(s) 1 lost every replica" in after[0].rolled_back
-    assert "checkpoint of step 3" in after[0].rolled_back and "losing 2 step(s)" in after[0].rolled_back
-    assert [r.rolled_back for r in before + after[1:]] == [""] * 7
-    assert all(r.completed == m and r.dropped == 0 for r in before + after)
-    # single-process training of 3 steps (the checkpoint), then the data the trainer fed after
-    resumed = data[: 3 * m] + data[5 * m : 8 * m]
+    swarm = local_swarm(
+        model_config=TINY_GPT,
+        num_stages=2,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batch=BATCH,
+        stage_args={0: STILL, 1: (*STILL, "--inject-fault", f"kill:loss:{4 * m + 2}")},
+        coordinator_args=("--checkpoint-every", "3"),
+    )
+    victim = next(n for n in swarm.procs if n.startswith("stage1-"))
+
+    def replace_the_victim() -> None:
+        swarm.procs[victim].wait(timeout=300)
+        swarm.spawn_stage(1, extra_args=STILL, wait=False)
+
+    replacer = threading.Thread(target=replace_the_victim, daemon=True)
+    replacer.start()
+    data = microbatches()
+    with swarm.trainer(microbatch_timeout_s=20) as trainer:
+        results = list(trainer.train(iter(data), steps=7))
+    replacer.join(timeout=10)
+    assert swarm.procs[victim].returncode == -signal.SIGKILL
+    assert [r.step for r in results] == [0, 1, 2, 3, 5, 6, 7]  # step numbers never go back
+    rolled = [r.rolled_back for r in results]
+    assert rolled[:4] == [""] * 4 and rolled[5:] == [""] * 2, rolled
+    assert "stage(s) 1 lost every replica" in rolled[4] and "checkpoint of step 3" in rolled[4]
+    assert "losing 1 step(s)" in rolled[4]  # step 3's update
+    assert all(r.completed == m and r.dropped == 0 for r in results)
+    # single-process training: 3 steps (the checkpoint), then the data fed from step 4 on
+    # (step 4's microbatches, whose step was cut short, count once, in step 5)
+    full = reference_losses(
+        seed=SEED, optimizer=OPTIMIZER, batches=iter(data), steps=4, microbatches_per_step=m
+    )
+    resumed = data[: 3 * m] + data[4 * m : 7 * m]
     reference = reference_losses(
         seed=SEED, optimizer=OPTIMIZER, batches=iter(resumed), steps=6, microbatches_per_step=m
     )
-    assert_losses_match_reference(before[:3], SimpleNamespace(losses=reference.losses[:3]))
-    assert_losses_match_reference(after, SimpleNamespace(losses=reference.losses[3:]))
+    assert_losses_match_reference(results[:4], full)
+    assert_losses_match_reference(results[4:], SimpleNamespace(losses=reference.losses[3:]))
 
 
 def test_a_lost_stage_with_no_checkpoint_waits_visibly_instead_of_starting_from_the_seed(local_swarm):
