@@ -205,7 +205,7 @@ def coordinator(
         Path | None,
         typer.Option(
             help="Gather whole-run checkpoints from the stages into this directory (each resumable with "
-            "--resume DIR/RUN/step-N) and serve them to peers bringing a lost stage back.",
+            "--resume DIR/RUN/INSTANCE/step-N) and serve them to peers bringing a lost stage back.",
             show_default="no archive",
         ),
     ] = None,

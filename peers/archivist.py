@@ -6,7 +6,7 @@ watches those announcements; once every stage holds a step it has not archived, 
 stage's checkpoint of that step from a replica that holds it (a 'state' request naming the
 checkpoint: the owner may read any stage) and writes them together as one run checkpoint
 (`swarmtrain.train.archive`: safetensors + JSON, the manifest included), so the directory
-resumes the run (`coordinator --resume DIR/<run>/step-N`) and outlives every stage peer.
+resumes the run (`coordinator --resume DIR/RUN/INSTANCE/step-N`) and outlives every stage peer.
 
 It also serves what it archived: a peer bringing back a stage nobody serves any more finds the
 archivist's steps in its record and asks it, as it would ask a replica.
@@ -43,8 +43,9 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 FETCH_TIMEOUT_S = 120.0
 
 
-def archive_dir(root: Path | str, run_id: str, step: int) -> Path:
-    return Path(root) / run_id / f"step-{step:08d}"
+def archive_dir(root: Path | str, disk_key: str, step: int) -> Path:
+    """`root/RUN/INSTANCE/step-N` (`RunManifest.disk_key`)."""
+    return Path(root) / disk_key / f"step-{step:08d}"
 
 
 class Archivist:
@@ -65,7 +66,7 @@ class Archivist:
 
     def held(self) -> tuple[int, ...]:
         """Steps of the run checkpoints under `root`, newest last."""
-        where = self.root / self.manifest.run_id
+        where = self.root / self.manifest.disk_key
         if not where.is_dir():
             return ()
         steps = sorted(int(m.group(1)) for d in where.iterdir() if (m := _STEP_DIR.match(d.name)))
@@ -115,11 +116,11 @@ class Archivist:
         where = await asyncio.get_running_loop().run_in_executor(
             None,
             lambda: write_model_dir(
-                archive_dir(self.root, m.run_id, step), params=params, meta=meta, optimizer=optimizer
+                archive_dir(self.root, m.disk_key, step), params=params, meta=meta, optimizer=optimizer
             ),
         )
         for old in self.held()[: -self.keep]:
-            shutil.rmtree(archive_dir(self.root, m.run_id, old), ignore_errors=True)
+            shutil.rmtree(archive_dir(self.root, m.disk_key, old), ignore_errors=True)
         logger.info("archived run %s at step %d in %s", m.run_id, step, where)
         return step
 
@@ -181,7 +182,7 @@ class Archivist:
         return any(r.peer_id == caller and r.role == "stage" and r.stage == stage for r in records)
 
     def _stage_state(self, stage: int, step: int) -> dict:
-        where = archive_dir(self.root, self.manifest.run_id, step)
+        where = archive_dir(self.root, self.manifest.disk_key, step)
         names = self._names[stage]
         own = set(names)
         params = read_tensors(where, names)

@@ -57,7 +57,7 @@ class StageCheckpointer:
 
     def held(self, stage: int) -> tuple[int, ...]:
         """Steps of the whole checkpoints of `stage` on this peer's disk, newest last."""
-        steps = ckpt.stage_checkpoint_steps(self.root, self.manifest.run_id, stage)
+        steps = ckpt.stage_checkpoint_steps(self.root, self.manifest.disk_key, stage)
         return tuple(steps[-MAX_CHECKPOINTS_LISTED:])
 
     def due(self, step: int) -> bool:
@@ -99,7 +99,7 @@ class StageCheckpointer:
                 None,
                 lambda: ckpt.write_stage_checkpoint(
                     self.root,
-                    run_id=self.manifest.run_id,
+                    run_id=self.manifest.disk_key,
                     stage=stage,
                     step=step,
                     state=state,
@@ -107,7 +107,7 @@ class StageCheckpointer:
                     meta=meta,
                 ),
             )
-            ckpt.prune_stage_checkpoints(self.root, self.manifest.run_id, stage, self.keep)
+            ckpt.prune_stage_checkpoints(self.root, self.manifest.disk_key, stage, self.keep)
         except OSError as e:  # a full disk must not stop training: say so and go on
             self.stats.failures.append(f"step {step}: {e}")
             logger.warning("could not write the checkpoint of stage %d at step %d: %s", stage, step, e)
@@ -127,7 +127,7 @@ class StageCheckpointer:
         if step not in self.held(stage):
             return None
         return ckpt.checkpoint_state(
-            ckpt.read_stage_checkpoint(self.root, self.manifest.run_id, stage, step), param_names
+            ckpt.read_stage_checkpoint(self.root, self.manifest.disk_key, stage, step), param_names
         )
 
     async def wait(self) -> None:
@@ -138,13 +138,16 @@ class StageCheckpointer:
 
 def run_progressed(records: list[PeerRecord], committed: int | None, stage: int, *, start: int = 0) -> bool:
     """Whether the run is past its start (step `start`: 0, or the step a resumed run starts at):
-    a trainer it authorizes committed a step from there, or a replica of another stage claims a
-    step past it. A stage nobody serves is then lost, not new: starting it again would silently
-    throw away what it learned. (A claim alone can only make a peer wait, visibly, never reset
-    a stage.)"""
+    a trainer it authorizes committed a step from there, or a replica of another stage or a
+    coordinator (it keeps the furthest committed step it saw) claims a step past it. A stage
+    nobody serves is then lost, not new: starting it again would silently throw away what it
+    learned. (A claim alone can only make a peer wait, visibly, never reset a stage.)"""
     if committed is not None and committed >= start:
         return True
-    return any(r.role == "stage" and r.stage != stage and r.step > start for r in records)
+    return any(
+        ((r.role == "stage" and r.stage != stage) or r.role == "coordinator") and r.step > start
+        for r in records
+    )
 
 
 def checkpoint_sources(
@@ -169,7 +172,9 @@ async def bring_back(peer, points) -> bool:
     start = int(read_meta(init_from)["step"]) if init_from and manifest.resume else 0
     while not peer._stop.is_set():
         records = await peer.node.peers_async(run_id)
-        if not run_progressed(records, peer._claims.committed(points), peer.stage, start=start):
+        local = peer.checkpoints.held(peer.stage)  # a checkpoint of it: the stage had trained
+        progressed = run_progressed(records, peer._claims.committed(points), peer.stage, start=start)
+        if not progressed and not (local and max(local) > start):
             if init_from is None:
                 return False  # a new run: the seed's initialisation
             read = partial(
@@ -179,7 +184,6 @@ async def bring_back(peer, points) -> bool:
             await peer.service.install_state(state, step)
             logger.info("stage %d starts from %s at step %d", peer.stage, init_from, step)
             return True
-        local = peer.checkpoints.held(peer.stage)
         for step, holder in checkpoint_sources(records, peer.stage, local, peer.peer_id):
             if holder == peer.peer_id:
                 state = peer.checkpoints.state_at(peer.stage, step, list(peer.runner.named_params))

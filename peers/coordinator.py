@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         loss=config.loss,
         trainers=tuple(config.trainers),
         checkpoint_every=config.checkpoint_every,
+        instance=secrets.token_hex(6),
         allow_reinit=config.allow_reinit,
         restore_lost_stage_only=config.restore_lost_stage_only,
     )
@@ -136,7 +138,8 @@ def _manifest_from(config: CoordinatorConfig) -> RunManifest:
                 "or write a resumable one with `swarmtrain export --resumable`"
             )
         manifest = RunManifest.from_dict(meta["manifest"] | {"trainers": list(config.trainers)})
-        return dataclasses.replace(manifest, init_from=where, resume=True)
+        # a new timeline: checkpoints the stopped run wrote after this one are not its own
+        return dataclasses.replace(manifest, init_from=where, resume=True, instance=secrets.token_hex(6))
     model, options = meta["model"], meta["model_config"]
     if (model, options) != (config.model, dict(config.model_config)):
         raise ConfigError(
@@ -169,6 +172,8 @@ class Coordinator:
 
             self.archivist = Archivist(self.node, self.manifest, config.checkpoint_dir)
         self._closed = threading.Event()
+        self.progress = 0
+        """One past the furthest step an authorized trainer reported committed, as last seen."""
         self.finished = False
         """The run's last step was committed (`run_length.run_is_over`); announced in the record."""
         self._publish()
@@ -187,8 +192,10 @@ class Coordinator:
     def _publish(self) -> None:
         m = self.manifest
         self.node.publish_manifest(m, ttl_s=MANIFEST_TTL_S)
+        committed = committed_step(read_points(self.node.trainer_points(m.run_id)), m.trainers or None)
+        if committed is not None:  # the run's progress outlives its trainers' points (a lost stage
+            self.progress = max(self.progress, committed + 1)  # is lost, not new: peers/checkpoints.py)
         if m.max_steps and not self.finished:
-            committed = committed_step(read_points(self.node.trainer_points(m.run_id)), m.trainers or None)
             self.finished = run_is_over(m.max_steps, committed, [], None)
             if self.finished:
                 logger.info("run %r finished: a trainer committed its last step (%d)", m.run_id, m.max_steps)
@@ -197,7 +204,7 @@ class Coordinator:
             role="coordinator",
             version=swarmtrain.__version__,
             state="finished" if self.finished else "serving",
-            step=m.max_steps if self.finished else 0,
+            step=m.max_steps if self.finished else self.progress,
             checkpoints=self.archivist.held() if self.archivist is not None else (),
         )
         self.node.announce(m.run_id, record, ttl_s=3 * self.config.republish_s)

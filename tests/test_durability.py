@@ -192,14 +192,16 @@ def test_an_archivist_keeps_a_stage_whose_replicas_and_their_disks_are_gone(loca
             timeout_s=60,
             what="the archivist to gather step 2 and announce it",
         )
-        run = archive / swarm.config.run_id / "step-00000002"
+        run = next(archive.glob(f"{swarm.config.run_id}/*/step-00000002"))  # RUN/INSTANCE/step-N
         assert {p.name for p in run.iterdir()} == {
             "model.safetensors",
             "optimizer.safetensors",
             "swarmtrain.json",
         }
         kill_stage(swarm, trainer, 1)
-        lost_disk = Path(os.environ["SWARMTRAIN_HOME"]) / "checkpoints" / swarm.config.run_id / "stage-1"
+        (lost_disk,) = Path(os.environ["SWARMTRAIN_HOME"], "checkpoints").glob(
+            f"{swarm.config.run_id}/*/stage-1"
+        )
         shutil.rmtree(lost_disk)  # the spot machine is gone with its disk
         archivist = next(r.peer_id for r in records_of(trainer) if r.role == "coordinator")
         joiner = swarm.spawn_stage(1, extra_args=STILL)

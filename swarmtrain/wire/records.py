@@ -128,6 +128,9 @@ class RunManifest:
     allow_reinit: bool = False
     """A stage that lost its last replica, with no checkpoint of it anywhere, starts again from
     the run seed (False: it waits in the 'lost' state for a checkpoint to appear)."""
+    instance: str = ""
+    """Tells this run apart from an earlier one under the same run id (a new run gets a fresh
+    one; a resumed run keeps its checkpoint's): checkpoints are kept under `disk_key`."""
     restore_lost_stage_only: bool = False
     """A stage that lost every replica comes back from its checkpoint alone, the others keeping
     their state (False: the whole run goes back to that checkpoint)."""
@@ -155,6 +158,8 @@ class RunManifest:
             raise ConfigError(
                 f"manifest: checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}"
             )
+        if not isinstance(self.instance, str) or not re.fullmatch(r"[0-9a-f]{0,32}", self.instance):
+            raise ConfigError(f"manifest: instance must be up to 32 hex digits, got {self.instance!r}")
         if not isinstance(self.restore_lost_stage_only, bool):
             raise ConfigError(
                 f"manifest: restore_lost_stage_only must be true or false, got {self.restore_lost_stage_only!r}"
@@ -218,6 +223,11 @@ class RunManifest:
             )
 
     @property
+    def disk_key(self) -> str:
+        """The directory (under a checkpoint root) this run's checkpoints go to: 'RUN/INSTANCE'."""
+        return f"{self.run_id}/{self.instance}" if self.instance else self.run_id
+
+    @property
     def num_stages(self) -> int:
         return len(self.stage_bounds) - 1
 
@@ -249,6 +259,7 @@ class RunManifest:
             "checkpoint_every": self.checkpoint_every,
             "allow_reinit": self.allow_reinit,
             "restore_lost_stage_only": self.restore_lost_stage_only,
+            "instance": self.instance,
             "init_from": self.init_from,
             "resume": self.resume,
             "wire_version": self.wire_version,
