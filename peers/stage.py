@@ -394,12 +394,14 @@ class StagePeer:
 
     async def _sync_from_replica(self) -> bool:
         """Take parameters and optimizer state from a live replica, those at a committed step first
-        (`StepClaims`); a stage nobody serves keeps its run-seed initialisation. True if taken."""
+        (`StepClaims`). When none gives them (none is announced, or those announced are dead: a
+        record outlives its peer by up to a TTL) the stage is new or lost (`bring_back`): a run's
+        seed initialisation is never kept by default. True if a state was taken."""
         replicas = await self._live_replicas()
         points = await self.node.trainer_points_async(self.manifest.run_id)
-        if not replicas:
-            return await bring_back(self, points)
-        return await self.service.take_state(self._claims.join_from(replicas, points)) is not None
+        if replicas and await self.service.take_state(self._claims.join_from(replicas, points)) is not None:
+            return True
+        return await bring_back(self, points)
 
     async def _resync_if_behind(self) -> bool:
         """A replica that missed a step (it joined mid-step, or left a commit) catches up when
