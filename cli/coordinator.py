@@ -225,11 +225,22 @@ def coordinator(
             show_default="a new run",
         ),
     ] = None,
+    initial_peers: Annotated[
+        list[str],
+        typer.Option(
+            "--initial-peers",
+            help="Join an existing swarm through this peer's address (another coordinator's, any peer's, "
+            "or a plain hivemind-dht node's; repeat for several): start the run there, or serve it if "
+            "the swarm runs it already (its owner's manifest, as it is).",
+            show_default="start a new swarm",
+        ),
+    ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     verbose: Verbose = False,
 ) -> None:
-    """Start a swarm: a bootstrap DHT peer that publishes a run's manifest, signed as the run's owner."""
+    """Start a swarm (or join one): a bootstrap DHT peer that publishes a run's manifest, signed as
+    the run's owner, or serves the manifest its owner signed when the swarm runs it already."""
     setup_logging(verbose)
     from swarmtrain.peers.coordinator import Coordinator, CoordinatorConfig
     from swarmtrain.peers.dashboard.config import DashboardConfig
@@ -255,7 +266,7 @@ def coordinator(
             trainers = []
         listen_port = port or _free_or_zero(host, owner.remembered_port())
         config = CoordinatorConfig(
-            node=NodeConfig(host=host, port=listen_port, **trust),
+            node=NodeConfig(host=host, port=listen_port, initial_peers=tuple(initial_peers), **trust),
             trainers=tuple(trainers),
             run_id=run_id,
             model=model,
@@ -300,6 +311,8 @@ def coordinator(
         owner.remember_port(int(coord.address.split("/tcp/")[1].split("/")[0]))
         try:
             m = coord.manifest
+            if coord.joined_existing:
+                typer.echo(f"run {m.run_id!r} runs in this swarm already: serving its manifest as it is")
             typer.echo(
                 f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages {list(m.stage_bounds)}"
             )
@@ -307,7 +320,12 @@ def coordinator(
                 typer.echo(f"compression: {m.compression.describe()}")
             if m.loss is not None:
                 typer.echo(f"loss: {m.loss}")
-            typer.echo(f"owner:        {coord.node.peer_id} (identity {owner.path})")
+            if coord.is_owner:
+                typer.echo(f"owner:        {coord.node.peer_id} (identity {owner.path})")
+            else:
+                typer.echo(
+                    f"owner:        {coord.node.owner_of(m.run_id)} (this coordinator: {coord.node.peer_id})"
+                )
             typer.echo(f"trainers:     {', '.join(m.trainers) or 'anyone (--any-trainer)'}")
             if coord.node.swarm_key is not None:
                 typer.echo(f"private swarm, key {coord.node.swarm_key.fingerprint} ({swarm_key})")

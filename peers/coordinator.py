@@ -4,6 +4,18 @@ It is not a master. Once peers have joined, training goes on without it; while i
 republishes the manifest so the record outlives any single peer, and it announces itself
 so `swarmtrain status` can find it. Once an authorized trainer reports the run's last step
 committed, it announces the run finished (its record's state), which refuses new trainers.
+
+Any number of coordinators may serve one run. Given peers of an existing swarm
+(`node.initial_peers`: another coordinator, a stage peer, a plain hivemind DHT node), a
+coordinator looks the run up first:
+- the swarm has no manifest of the run: it starts the run there, as its owner;
+- it has one this coordinator signed (its identity's key file, after a restart): it serves
+  that manifest as it is, signing it anew, whatever the flags that shape a run say;
+- it has the manifest of another owner: it serves that one, storing the owner's signed copy
+  again as stage peers do, and never signs a manifest of its own, which peers would see as a
+  second, conflicting owner of the run.
+Two live processes cannot share one identity: a coordinator given the key file of a peer
+that runs is refused at start (`NodeConfig.refuse_taken_identity`).
 """
 
 from __future__ import annotations
@@ -151,12 +163,22 @@ def _manifest_from(config: CoordinatorConfig) -> RunManifest:
 
 
 class Coordinator:
-    """Publish a run until closed. The manifest is checked before any network is touched."""
+    """Publish (or serve) a run until closed. Starting a new swarm, the manifest is checked
+    before any network is touched; joining one, the run is looked up there first."""
 
     def __init__(self, config: CoordinatorConfig):
         self.config = config
-        self.manifest = make_manifest(config)
-        self.node = SwarmNode(config.node)
+        joining = bool(config.node.initial_peers)
+        self.manifest = None if joining else make_manifest(config)
+        self.node = SwarmNode(dataclasses.replace(config.node, refuse_taken_identity=joining))
+        self.joined_existing = False
+        """The run was in the swarm already: this coordinator serves its manifest."""
+        if joining:
+            try:
+                self.manifest = self._existing_manifest() or make_manifest(config)
+            except BaseException:
+                self.node.shutdown()
+                raise
         self.dashboard = None
         if config.dashboard is not None:
             from swarmtrain.peers.dashboard.server import DashboardThread  # needs the [dashboard] extra
@@ -181,6 +203,34 @@ class Coordinator:
         self._thread.start()
 
     @property
+    def is_owner(self) -> bool:
+        """This coordinator signs the run's manifest (else it serves the owner's signed copy)."""
+        return self.node.owner_of(self.manifest.run_id) in (None, self.node.peer_id)
+
+    def _existing_manifest(self) -> RunManifest | None:
+        """The manifest of the run in the swarm joined, None if it has none (ConfigError for a
+        run that exists when the flags ask to start one from a directory)."""
+        run_id = self.config.run_id
+        self.node.known_runs()  # also reads the run-list entry a non-owner keeps alive
+        manifest = self.node.get_manifest(run_id, prefer_own=True)
+        if manifest is None:
+            return None
+        owner = self.node.owner_of(run_id)
+        if self.config.init_from is not None:
+            raise ConfigError(
+                f"run {run_id!r} already runs in this swarm (owner {owner}): --init-from and --resume start "
+                "a run; give another --run-id, or leave them out to serve the running one"
+            )
+        self.joined_existing = True
+        logger.info(
+            "run %r is in the swarm already (owner %s): serving its manifest; the flags that shape a run "
+            "are not used",
+            run_id,
+            owner,
+        )
+        return manifest
+
+    @property
     def addresses(self) -> list[str]:
         return self.node.addresses()
 
@@ -191,7 +241,11 @@ class Coordinator:
 
     def _publish(self) -> None:
         m = self.manifest
-        self.node.publish_manifest(m, ttl_s=MANIFEST_TTL_S)
+        if self.is_owner:
+            self.node.publish_manifest(m, ttl_s=MANIFEST_TTL_S)
+        else:  # the owner's signed copy, read again (the owner may have signed a newer one)
+            self.manifest = m = self.node.get_manifest(m.run_id) or m
+            self.node.store_held_manifest(m.run_id)
         committed = committed_step(read_points(self.node.trainer_points(m.run_id)), m.trainers or None)
         if committed is not None:  # the run's progress outlives its trainers' points (a lost stage
             self.progress = max(self.progress, committed + 1)  # is lost, not new: peers/checkpoints.py)

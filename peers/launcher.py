@@ -63,6 +63,8 @@ class LocalSwarmConfig:
     """A private swarm's key file every process gets (--swarm-key); None: an open swarm."""
     coordinator_args: tuple[str, ...] = ()
     """Extra `swarmtrain coordinator` flags, e.g. ("--checkpoint-every", "2")."""
+    initial_peers: tuple[str, ...] = ()
+    """Peers of an existing swarm the coordinator joins (--initial-peers); empty: a new swarm."""
     num_trainers: int = 2
     """Trainer identities the run authorizes (`trainer_identity(n)` gives the n-th key file);
     0 authorizes any trainer (benchmarks' baseline for the cost of authorization)."""
@@ -192,6 +194,7 @@ class LocalSwarm:
                 "--host", cfg.host,
                 "--port", str(cfg.coordinator_port),
                 "--address-file", str(address_file),
+                *[arg for peer in cfg.initial_peers for arg in ("--initial-peers", peer)],
                 *_optional("--dashboard-port", cfg.dashboard_port),
                 *([arg for t in trainers for arg in ("--trainer", t)] or ["--any-trainer"]),
                 *self.trust_args("coordinator"),

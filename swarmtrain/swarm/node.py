@@ -109,6 +109,9 @@ class NodeConfig:
     run_owner: str | None = None
     """Peer id of the run's owner whose manifest alone to accept (--run-owner); None: the
     owner whose address is in `initial_peers`, else the one pinned, else the only one."""
+    refuse_taken_identity: bool = False
+    """Refuse to start when a peer of the swarm already runs with this identity (two processes
+    cannot share one peer id: a second coordinator given the owner's key file, say)."""
 
     def __post_init__(self):
         if self.run_owner is not None and not PEER_ID_PATTERN.match(str(self.run_owner)):
@@ -129,6 +132,11 @@ class NodeConfig:
 def _explain_daemon_error(e: Exception, cfg: NodeConfig) -> str:
     """One line saying why the libp2p daemon did not start and what to change."""
     text = " ".join(GO_LOG_TIME.sub("", str(e)).split())
+    if "already taken by another peer" in text:
+        return (
+            f"a peer of this swarm already runs with identity {cfg.identity_path}: two processes cannot "
+            "share one; give this one its own --identity"
+        )
     if "address already in use" in text:
         return f"port {cfg.port} on {cfg.host} is already in use: pick another --port, or 0 for any free port"
     if "failed to connect to bootstrap peers" in text:
@@ -182,7 +190,7 @@ class SwarmNode:
                 client_mode=config.client_mode,
                 record_validators=validators(self.swarm_key),
                 identity_path=str(self.identity.path),
-                check_if_identity_free=False,
+                check_if_identity_free=config.refuse_taken_identity and bool(config.initial_peers),
                 start=True,
             )
         except P2PDaemonError as e:
@@ -258,12 +266,27 @@ class SwarmNode:
             await self._put(manifest_key(manifest.run_id), manifest.to_dict(), expires, wait=False)
             await self._put(RUNS_KEY, run_summary(manifest), expires, wait=False)
             return
-        owner = self.owner_of(manifest.run_id)
-        for key in (manifest_key(manifest.run_id), RUNS_KEY):
+        for key, envelope, expires, owner in self._held_copies(manifest.run_id):
+            await self.dht.store(key, envelope, expiration_time=expires, subkey=owner, return_future=True)
+
+    def store_held_manifest(self, run_id: str) -> int:
+        """Store again the owner's signed manifest of `run_id` and its run-list entry, as last
+        read (`get_manifest`), never signing one: a peer that does not own the run keeps the
+        owner's manifest alive. Returns how many records were stored."""
+        stored = 0
+        for key, envelope, expires, owner in self._held_copies(run_id):
+            stored += bool(self.dht.store(key, envelope, expiration_time=expires, subkey=owner))
+        return stored
+
+    def _held_copies(self, run_id: str) -> list[tuple[str, dict, float, str]]:
+        """(key, envelope, expiration, owner) of the owner's unexpired signed records this node holds."""
+        owner = self.owner_of(run_id)
+        copies = []
+        for key in (manifest_key(run_id), RUNS_KEY):
             held = self._held.get((key, owner))
             if held is not None and held[1] > get_dht_time():
-                envelope, expires = held
-                await self.dht.store(key, envelope, expiration_time=expires, subkey=owner, return_future=True)
+                copies.append((key, held[0], held[1], owner))
+        return copies
 
     def owner_of(self, run_id: str) -> str | None:
         """The owner whose manifest of `run_id` this node accepted (None before it read one)."""
@@ -277,15 +300,17 @@ class SwarmNode:
             self._run_entries[(signer, str(summary["run_id"]))] = (envelope, expires)
         return sorted(runs)
 
-    def get_manifest(self, run_id: str) -> RunManifest | None:
-        """The run's manifest from the owner this peer accepts (see `swarmtrain.trust.owner`),
-        or None if the DHT has none. RunNotFoundError or ConfigError if no owner can be chosen."""
+    def get_manifest(self, run_id: str, *, prefer_own: bool = False) -> RunManifest | None:
+        """The run's manifest from the owner this peer accepts (see `swarmtrain.trust.owner`;
+        with `prefer_own`, this peer's own manifest when it signed one), or None if the DHT has
+        none. RunNotFoundError or ConfigError if no owner can be chosen."""
         key = manifest_key(check_run_id(run_id))
         signed = self._signed_by(self.dht.get(key, latest=True))
         if not signed:
             return None
         initial_ids = tuple(a.rsplit("/p2p/", 1)[-1] for a in self.config.initial_peers)
-        owner = choose_owner(
+        owner = self.peer_id if prefer_own and self.peer_id in signed else None
+        owner = owner or choose_owner(
             run_id,
             sorted(signed),
             run_owner=self.config.run_owner,
