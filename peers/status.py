@@ -161,8 +161,9 @@ def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...]) -> Table
 
 
 def peers_table(status: dict, now: float) -> Table:
-    """Who is in the swarm: role, stage, state, device, memory, step and uptime, gone peers last."""
-    columns = ("peer", "role", "stage", "state", "device", "memory", "step", "up")
+    """Who is in the swarm: role, stage, state, device, memory, step, the newest checkpoint it
+    holds and uptime, gone peers last."""
+    columns = ("peer", "role", "stage", "state", "device", "memory", "step", "ckpt", "up")
     table = _table("peers", columns, ("peer", "role", "state", "device"))
     for r in status["peers"] + status["gone"]:
         stage = r["role"] == "stage"
@@ -174,6 +175,7 @@ def peers_table(status: dict, now: float) -> Table:
             _device(r),
             _memory(r),
             str(r["step"]) if stage else "",
+            str(max(r["checkpoints"])) if r.get("checkpoints") else "",  # the newest checkpoint it holds
             "gone" if r["status"] == "gone" else format_age(now - r["since"]) if r["since"] else "",
         )
     return table

@@ -141,3 +141,13 @@ def test_status_shows_a_run_finished_once_its_last_step_is_in():
     last_point = dataclasses.replace(POINT, step=6)  # a trainer committed the last step; its stages left
     assert read_status(FakeSwarm([short], {"dash": []}, [last_point]), None, now=100.0)["finished"]
     assert not read_status(FakeSwarm([DASH], {"dash": [finished]}, [last_point]), None, now=100.0)["finished"]
+
+
+def test_status_shows_a_lost_stage_and_the_checkpoints_peers_hold():
+    held = dataclasses.replace(PEERS[0], checkpoints=(200, 300), banned=())
+    lost = dataclasses.replace(PEERS[1], state="lost", step=0, served=0)
+    status = read_status(FakeSwarm([DASH], {"dash": [held, lost]}), None, now=100.0)
+    assert [r["status"] for r in status["peers"]] == ["serving", "lost"]
+    lines = printed(status).splitlines()
+    assert any(A[-8:] in line and " 300 " in line for line in lines)  # the newest checkpoint it holds
+    assert any(B[-8:] in line and " lost " in line for line in lines)
