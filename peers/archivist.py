@@ -24,14 +24,8 @@ from pathlib import Path
 from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
 from swarmtrain.peers.export import stage_param_names
 from swarmtrain.swarm import SwarmNode
-from swarmtrain.train.archive import (
-    OPTIMIZER_FILE,
-    RUN_FORMAT,
-    optimizer_names,
-    read_tensors,
-    write_model_dir,
-)
-from swarmtrain.train.checkpoint import from_files, to_files
+from swarmtrain.train.archive import RUN_FORMAT, stage_init_state, write_model_dir
+from swarmtrain.train.checkpoint import to_files
 from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.frames import Frame, error_frame
 from swarmtrain.wire.messages import StateRequest
@@ -183,13 +177,7 @@ class Archivist:
 
     def _stage_state(self, stage: int, step: int) -> dict:
         where = archive_dir(self.root, self.manifest.disk_key, step)
-        names = self._names[stage]
-        own = set(names)
-        params = read_tensors(where, names)
-        optim = read_tensors(
-            where, [n for n in optimizer_names(where) if n.rpartition(".")[0] in own], file=OPTIMIZER_FILE
-        )
-        return from_files(params, optim, names)
+        return stage_init_state(where, self._names[stage], resume=True)[0]
 
     def close(self) -> None:
         self._stop.set()
