@@ -344,6 +344,7 @@ class Trainer:
             router=self.router,
             transport=self.transport,
             replicas=self.replicas,
+            all_replicas=lambda: self._replicas_at_step(step=-1, wait=False),
             wait_for_replica=self.wait_for_replica,
             known_step=self.known_step,
             microbatch_timeout_s=cfg.microbatch_timeout_s,

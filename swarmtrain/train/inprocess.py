@@ -230,6 +230,7 @@ class InProcessSwarm:
             router=self.router,
             transport=self.trainer,
             replicas=self._trainer_replicas,
+            all_replicas=self._trainer_replicas,
             wait_for_replica=asyncio.sleep,
             known_step=self.known_step,
             microbatch_timeout_s=cfg.microbatch_timeout_s,

@@ -55,6 +55,8 @@ FRAME_KINDS = (
     "state",
     "state_data",
     "grads",
+    "report",
+    "outcome",
     "error",
 )
 DTYPES: dict[str, torch.dtype] = {
