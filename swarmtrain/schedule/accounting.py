@@ -199,4 +199,3 @@ def orphans(
     found = {mb for mbs in held.values() for mb in mbs if is_orphan(mb)}
     complete = frozenset(mb for mb in found if all(mb in mbs for mbs in held.values()))
     return complete, frozenset(found - complete)
-

@@ -124,6 +124,8 @@ class CommitParticipant:
         replica cannot (CLAIMED: another trainer commits the step)."""
         request = CommitRequest.parse(frame.meta)
         runner, scheduler = self.ctx.runner, self.ctx.scheduler
+        if isinstance(request, (Status, Claim)):  # after the phases queued before it (an apply, say)
+            await scheduler.call(lambda: None)
         current = frame.step == runner.step
         if isinstance(request, Status):
             return self.status()

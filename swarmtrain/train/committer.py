@@ -95,6 +95,9 @@ class Team(Protocol):
         """The shares the other trainers reported; None while one that feeds the step (or whose
         microbatches are in `seen`) has not reported yet and is not gone: prepare again."""
 
+    def version(self, step: int) -> int:
+        """Counts the reports taken for `step`: one taken during a prepare makes it stale."""
+
     async def replay(self, step: int, trainer: str, repairs: list[Repair]) -> None:
         """Ask `trainer` to replay its `repairs` (its share is awaited again)."""
 
@@ -105,6 +108,9 @@ class _Solo:
 
     async def shares(self, step: int, seen: set[str]) -> dict[str, Share]:
         return {}
+
+    def version(self, step: int) -> int:
+        return 0
 
     async def replay(self, step: int, trainer: str, repairs: list[Repair]) -> None:
         raise StepFailedError(
@@ -241,12 +247,15 @@ class StepCommit:
             return finished
         ctx, rounds, settle_until = self.ctx, 0, None
         while rounds < ctx.max_retries + 3:
+            version = self.team.version(self.step)
             reports = await self._prepare()
             seen = {trainer_of(mb) for rs in reports.values() for r in rs for mb in r.fresh | r.held}
             others = await self.team.shares(self.step, {t for t in seen if t and t != ctx.trainer_id})
             if others is None:
                 await asyncio.sleep(SETTLE_POLL_S)
                 continue
+            if self.team.version(self.step) != version:
+                continue  # a report came during the prepare: its microbatches may be missing from it
             shares = {ctx.trainer_id: self.own.share(), **others}
             for share in others.values():
                 for k, peers in share.work.items():

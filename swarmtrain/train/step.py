@@ -183,7 +183,9 @@ class TrainerStep:
         """Send microbatch `repair.mb` again, steered as the commit asks (a replica died with it)."""
         self.ledger.replay("lost with a replica (repaired at commit)")
         self.ledger.losses.pop(repair.mb, None)
-        await self._send(self.ids.index(repair.mb), replay=True, prefer=repair.prefer, needed_by=repair.needed_by)
+        await self._send(
+            self.ids.index(repair.mb), replay=True, prefer=repair.prefer, needed_by=repair.needed_by
+        )
 
     def share(self) -> Share:
         """This trainer's part of the step, as the committer counts it."""

@@ -88,6 +88,8 @@ class _Desk:
     elsewhere: str | None = None
     """This trainer does not commit the step: who does ('' if it does not know)."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    version: int = 0
+    """Reports taken so far: a commit decides on a prepare that began after the last of them."""
 
 
 class Team:
@@ -193,6 +195,7 @@ class Team:
             desk.shards[caller] = shard
             desk.replaying.discard(caller)
             desk.since.pop(caller, None)
+            desk.version += 1
             desk.changed.notify_all()
             if self._outcome(desk, caller, step=step, peek=True).kind == OutcomeKind.PENDING:
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -262,6 +265,9 @@ class Team:
             return None
         return dict(desk.shares)
 
+    def version(self, step: int) -> int:
+        return self._desk(step).version
+
     async def replay(self, step: int, trainer: str, repairs: list[Repair]) -> None:
         await self._set(step, replays=self._desk(step).replays | {trainer: repairs})
 
@@ -322,7 +328,7 @@ class Team:
             if committer == self.me:
                 await self._set(step, elsewhere=None)
                 try:
-                    committed = await StepCommit(self.ctx, step, own, self, self.total).run()
+                    committed = await StepCommit(own.ctx, step, own, self, self.total).run()
                 except Deferred as e:
                     logger.info("step %d: %s; reporting to it", step, e)
                     if e.holder:
@@ -423,7 +429,7 @@ def outcome_of(committed: Committed, num_stages: int) -> StepOutcome:
     return StepOutcome(
         kind=OutcomeKind.COMMITTED,
         counted=tuple(sorted(committed.counted)),
-        loss=committed.loss,
+        loss=None if math.isnan(committed.loss) else committed.loss,
         completed=len(committed.counted),
         adopted=committed.adopted,
         causes=tuple(committed.dropped_causes),
@@ -446,7 +452,7 @@ def committed_of(step: int, outcome: StepOutcome) -> Committed:
         step=step,
         counted=frozenset(outcome.counted),
         adopted=outcome.adopted,
-        loss=outcome.loss,
+        loss=math.nan if outcome.loss is None else outcome.loss,
         dropped_causes=dict(zip(outcome.causes, outcome.cause_counts)),
         samples=outcome.samples,
         tokens=outcome.tokens,

@@ -125,7 +125,7 @@ class StepOutcome(Message):
         "prefer": _strs(MAX_PEER_ID_CHARS),
         "needed_by": _ints(),
         "counted": _strs(MAX_MB_ID_CHARS),
-        "loss": _float(-math.inf, math.inf),
+        "loss": _optional(_float(-math.inf, math.inf)),
         "completed": _int(),
         "adopted": _int(),
         "causes": _strs(MAX_CAUSE_CHARS),
@@ -152,8 +152,9 @@ class StepOutcome(Message):
     """...and per microbatch, the stages that lack it, as bits (stage k: 1 << k)."""
     counted: tuple[str, ...] = ()
     """COMMITTED: the reporter's microbatches the step counted; the others it dropped."""
-    loss: float = math.nan
-    """COMMITTED, the step's summary: the mean loss of its microbatches whose loss is known..."""
+    loss: float | None = None
+    """COMMITTED, the step's summary: the mean loss of its microbatches whose loss is known
+    (None: none is)..."""
     completed: int = 0
     """...microbatches counted, of which `adopted` (their trainer left: counted from the
     replicas' buffers, with no loss known)..."""
