@@ -54,10 +54,18 @@ from swarmtrain.train.shards import Shard
 from swarmtrain.train.step import TrainerStep
 from swarmtrain.train.step_account import NOT_COUNTED, Committed, Share
 from swarmtrain.train.step_result import StepResult
+from swarmtrain.train.team_outcomes import (
+    committed_of,
+    outcome_of,
+    repairs_of,
+    replay_outcome,
+    report_of,
+    share_of,
+)
 from swarmtrain.train.trainer_context import TrainerContext
 from swarmtrain.wire.frames import Frame, error_frame
-from swarmtrain.wire.messages import NO_PREFERENCE, PongMeta, Status, StepStatus
-from swarmtrain.wire.team_messages import OutcomeKind, StepOutcome, StepReport, work_lists, work_of
+from swarmtrain.wire.messages import PongMeta, Status, StepStatus
+from swarmtrain.wire.team_messages import OutcomeKind, StepOutcome, StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -182,16 +190,7 @@ class Team:
                     cause=Cause.REFUSED,
                 )
         async with desk.changed:
-            desk.shares[caller] = Share(
-                trainer=caller,
-                issued=report.issued,
-                losses=dict(zip(report.completed, report.losses)),
-                dropped=dict(zip(report.dropped, report.causes)),
-                samples=report.samples,
-                tokens=report.tokens,
-                replays=report.replays,
-                work=work_of(report.work_stages, report.work_peers, report.work_counts),
-            )
+            desk.shares[caller] = share_of(caller, report)
             desk.shards[caller] = shard
             desk.replaying.discard(caller)
             desk.since.pop(caller, None)
@@ -221,14 +220,8 @@ class Team:
         if caller in desk.replays:
             if peek:
                 return StepOutcome(kind=OutcomeKind.REPLAY)
-            repairs = desk.replays.pop(caller)
             desk.replaying.add(caller)
-            return StepOutcome(
-                kind=OutcomeKind.REPLAY,
-                replay=tuple(r.mb for r in repairs),
-                prefer=tuple(p or NO_PREFERENCE for r in repairs for p in r.prefer),
-                needed_by=tuple(sum(1 << k for k in r.needed_by) for r in repairs),
-            )
+            return replay_outcome(desk.replays.pop(caller))
         if desk.elsewhere is not None:
             return StepOutcome(kind=OutcomeKind.ELSEWHERE, committer=desk.elsewhere)
         if not self.feeding or self.step > step >= 0:  # not in this step: it will not commit it
@@ -359,23 +352,7 @@ class Team:
 
     async def _report(self, committer: str, own: TrainerStep) -> StepOutcome | None:
         """One report of `own`'s share to `committer`; its outcome, None if it is gone."""
-        share = own.share()
-        stages, peers, counts = work_lists(share.work)
-        report = StepReport(
-            shard=self.shard.index,
-            shards=self.shard.count,
-            issued=share.issued,
-            completed=tuple(share.losses),
-            losses=tuple(share.losses.values()),
-            dropped=tuple(share.dropped),
-            causes=tuple(share.dropped.values()),
-            samples=share.samples,
-            tokens=share.tokens,
-            replays=share.replays,
-            work_stages=stages,
-            work_peers=peers,
-            work_counts=counts,
-        )
+        report = report_of(own.share(), self.shard)
         frame = Frame(kind="report", run_id=self.ctx.run_id, step=own.step, meta=report.to_meta())
         try:
             reply = await self.ctx.transport.call(
@@ -421,57 +398,3 @@ def _without(own: TrainerStep, counted: frozenset[str]) -> Committed:
     missed = sum(mb not in counted for mb in own.ids)
     mine = counted & set(own.ids)
     return Committed(step=own.step, counted=mine, dropped_causes={NOT_COUNTED: missed} if missed else {})
-
-
-def outcome_of(committed: Committed, num_stages: int) -> StepOutcome:
-    """A committed step as a feeder learns it."""
-    stages, peers, counts = work_lists(committed.work)
-    return StepOutcome(
-        kind=OutcomeKind.COMMITTED,
-        counted=tuple(sorted(committed.counted)),
-        loss=None if math.isnan(committed.loss) else committed.loss,
-        completed=len(committed.counted),
-        adopted=committed.adopted,
-        causes=tuple(committed.dropped_causes),
-        cause_counts=tuple(committed.dropped_causes.values()),
-        samples=committed.samples,
-        tokens=committed.tokens,
-        grad_norm=committed.grad_norm,
-        replicas_equal=committed.replicas_equal,
-        compared=tuple(committed.compared.get(k, 0) for k in range(num_stages)),
-        applied_by=committed.applied_by,
-        work_stages=stages,
-        work_peers=peers,
-        work_counts=counts,
-    )
-
-
-def committed_of(step: int, outcome: StepOutcome) -> Committed:
-    """The Committed a COMMITTED outcome tells of."""
-    return Committed(
-        step=step,
-        counted=frozenset(outcome.counted),
-        adopted=outcome.adopted,
-        loss=math.nan if outcome.loss is None else outcome.loss,
-        dropped_causes=dict(zip(outcome.causes, outcome.cause_counts)),
-        samples=outcome.samples,
-        tokens=outcome.tokens,
-        work=work_of(outcome.work_stages, outcome.work_peers, outcome.work_counts),
-        grad_norm=outcome.grad_norm,
-        replicas_equal=outcome.replicas_equal,
-        compared={k: n for k, n in enumerate(outcome.compared) if n},
-        applied_by=outcome.applied_by,
-    )
-
-
-def repairs_of(outcome: StepOutcome) -> list[Repair]:
-    """The repairs a REPLAY outcome asks for."""
-    stages = len(outcome.prefer) // len(outcome.replay) if outcome.replay else 0
-    return [
-        Repair(
-            mb=mb,
-            prefer=tuple(p or None for p in outcome.prefer[i * stages : (i + 1) * stages]),
-            needed_by=tuple(k for k in range(stages) if bits >> k & 1),
-        )
-        for i, (mb, bits) in enumerate(zip(outcome.replay, outcome.needed_by))
-    ]
