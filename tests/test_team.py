@@ -44,12 +44,12 @@ def data(steps: int, microbatches: int = M) -> list:
     return list(itertools.islice(batches, steps * microbatches))
 
 
-def run(config: InProcessConfig, steps: int, *, before=None, shards=None):
+def run(config: InProcessConfig, steps: int, *, before=None, shards=None, see_others=True):
     """Train `steps` steps with every trainer of `config`; `before(team)` sets faults up."""
 
     async def scenario():
         async with InProcessSwarm(config) as swarm:
-            team = InProcessTeam(swarm, shards=shards)
+            team = InProcessTeam(swarm, shards=shards, see_others=see_others)
             if before is not None:
                 before(team)
             results = await team.train(data(steps, config.manifest.batch.microbatches_per_step), steps)
@@ -107,6 +107,17 @@ def test_two_trainers_on_disjoint_shards_train_like_one_process():
     assert_replicas_identical(swarm, 3)
     stage0 = swarm.replicas[swarm.live(0)[0]].started + swarm.replicas[swarm.live(0)[1]].started
     assert {t.mb_id.split(":")[0] for t in stage0} == {TRAINER, SECOND}
+
+
+def test_trainers_that_do_not_see_each_other_are_settled_by_the_claims():
+    # Each takes itself for the committer; the replicas' claims leave every step to one of
+    # them (the lower id wins a claim), the other reports to it, and parity holds.
+    config = InProcessConfig(manifest=manifest(), replicas=(1, 2), trainers=2)
+    swarm, team, results = run(config, 3, see_others=False)
+    assert [r.step for r in results[SECOND]] == [0, 1, 2]
+    assert all(r.completed == M for r in results[TRAINER] + results[SECOND])
+    assert_parity(swarm, results[TRAINER], 3)
+    assert_replicas_identical(swarm, 3)
 
 
 def nth(n: int, match):

@@ -91,6 +91,9 @@ class Team(Protocol):
     def gone(self) -> frozenset[str]:
         """Trainers found gone (their claims pass to this one, their microbatches are orphans)."""
 
+    def excluded(self, step: int) -> frozenset[str]:
+        """Trainers whose microbatches of `step` never count (their report was refused)."""
+
     async def shares(self, step: int, seen: set[str]) -> dict[str, Share] | None:
         """The shares the other trainers reported; None while one that feeds the step (or whose
         microbatches are in `seen`) has not reported yet and is not gone: prepare again."""
@@ -104,6 +107,9 @@ class Team(Protocol):
 
 class _Solo:
     def gone(self) -> frozenset[str]:
+        return frozenset()
+
+    def excluded(self, step: int) -> frozenset[str]:
         return frozenset()
 
     async def shares(self, step: int, seen: set[str]) -> dict[str, Share]:
@@ -260,9 +266,11 @@ class StepCommit:
             for share in others.values():
                 for k, peers in share.work.items():
                     self._routed.setdefault(k, set()).update(peers)
-            gone = self.team.gone()
-            live = {t: s for t, s in shares.items() if t not in gone}
+            gone, excluded = self.team.gone(), self.team.excluded(self.step)
+            live = {t: s for t, s in shares.items() if t not in gone and t not in excluded}
             complete, partial = orphans(reports, _not_of(frozenset(live)))
+            refused = frozenset(mb for mb in complete | partial if trainer_of(mb) in excluded)
+            complete, partial = complete - refused, partial - refused
             if partial and settle_until is None:
                 settle_until = time.monotonic() + ctx.microbatch_timeout_s
             if partial and time.monotonic() < settle_until:
@@ -272,7 +280,9 @@ class StepCommit:
             if not completed:
                 dropped = {mb: why for s in live.values() for mb, why in s.dropped.items()}
                 raise StepFailedError(f"step {self.step}: every microbatch was dropped: {dropped}")
-            issued = tuple(mb for s in live.values() for mb in s.issued) + tuple(sorted(complete | partial))
+            issued = tuple(mb for s in live.values() for mb in s.issued) + tuple(
+                sorted(complete | partial | refused)
+            )
             decision = decide_commit(issued, completed, reports)
             if decision.action != CommitAction.EXCHANGE:
                 rounds += 1

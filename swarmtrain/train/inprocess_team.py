@@ -34,8 +34,13 @@ WAIT_S = 20.0
 class InProcessTeam:
     """See the module docstring."""
 
-    def __init__(self, swarm: InProcessSwarm, *, shards: dict[str, Shard] | None = None):
+    def __init__(
+        self, swarm: InProcessSwarm, *, shards: dict[str, Shard] | None = None, see_others: bool = True
+    ):
+        """`see_others=False`: no trainer sees the others announced (a DHT that lags): each
+        takes itself for the committer, and the replicas' claims settle it."""
         self.swarm = swarm
+        self.see_others = see_others
         names = swarm.trainer_names
         self.shards = shards or {name: Shard(i, len(names)) for i, name in enumerate(names)}
         self.contexts: dict[str, TrainerContext] = {}
@@ -59,7 +64,7 @@ class InProcessTeam:
 
     def _members(self, name: str):
         async def members() -> list[str]:  # a dead trainer's record lingers: it is still listed
-            return [n for n in self.swarm.trainer_names if n != name]
+            return [n for n in self.swarm.trainer_names if n != name and self.see_others]
 
         return members
 

@@ -95,6 +95,9 @@ class _Desk:
     committed: Committed | None = None
     elsewhere: str | None = None
     """This trainer does not commit the step: who does ('' if it does not know)."""
+    refused: set[str] = field(default_factory=set)
+    """Trainers whose report was refused (their shard overlaps another's): none of their
+    microbatches of the step counts."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     version: int = 0
     """Reports taken so far: a commit decides on a prepare that began after the last of them."""
@@ -184,6 +187,7 @@ class Team:
         desk = self._desk(step)
         for other, theirs in ((self.me, self.shard), *desk.shards.items()):
             if other != caller and theirs.overlaps(shard, self.total):
+                desk.refused.add(caller)
                 raise RemoteError(
                     f"trainer {caller[-8:]} feeds shard {shard}, which overlaps shard {theirs} of trainer "
                     f"{other[-8:]}: give every trainer of the run its own --shard",
@@ -245,7 +249,7 @@ class Team:
                 expected.add(member)
         waiting = [
             t
-            for t in expected - {self.me} - set(self._gone)
+            for t in expected - {self.me} - set(self._gone) - desk.refused
             if t not in desk.shares or t in desk.replays or t in desk.replaying
         ]
         now = time.monotonic()
@@ -260,6 +264,9 @@ class Team:
 
     def version(self, step: int) -> int:
         return self._desk(step).version
+
+    def excluded(self, step: int) -> frozenset[str]:
+        return frozenset(self._desk(step).refused)
 
     async def replay(self, step: int, trainer: str, repairs: list[Repair]) -> None:
         await self._set(step, replays=self._desk(step).replays | {trainer: repairs})
