@@ -34,8 +34,8 @@ def run_order():
 
 def two_trainer_swarm(local_swarm, *, replicas: int = 1):
     swarm = local_swarm(model_config=TINY_GPT, num_stages=2, seed=SEED, optimizer=OPTIMIZER, batch=BATCH)
-    for _ in range(replicas - 1):
-        swarm.spawn_stage(1, extra_args=("--rebalance-every", "0"), wait=False)
+    for _ in range(replicas - 1):  # serving before the trainers start: every step compares replicas
+        swarm.spawn_stage(1, extra_args=("--rebalance-every", "0"))
     return swarm
 
 
@@ -71,7 +71,7 @@ def committer_first(swarm) -> tuple[int, int]:
 
 
 def test_two_trainers_on_disjoint_shards_train_like_one_process(local_swarm):
-    steps = 4
+    steps = 3
     swarm = two_trainer_swarm(local_swarm)
     names = [start_trainer(swarm, n, steps, "--min-trainers", "2") for n in (0, 1)]
     results = [finish(swarm, name) for name in names]
@@ -128,18 +128,18 @@ def test_a_kill_9_of_the_committing_trainer_mid_step_leaves_the_other_training(l
 
 
 def test_restarted_trainers_go_on_with_their_shards_where_the_run_is(local_swarm):
-    # Both trainers train two steps and leave; started again, they find the run at step 2 and
-    # feed their shards of steps 2 and 3: the four steps are one process's four steps on the
-    # run's data order (fed again from the start, step 2 would train on step 0's data).
+    # Both trainers train a step and leave; started again, they find the run at step 1 and
+    # feed their shards of steps 1 and 2: the three steps are one process's three steps on the
+    # run's data order (fed again from the start, step 1 would train on step 0's data).
     swarm = two_trainer_swarm(local_swarm)
-    names = [start_trainer(swarm, n, 2, "--min-trainers", "2") for n in (0, 1)]
+    names = [start_trainer(swarm, n, 1, "--min-trainers", "2") for n in (0, 1)]
     first = [finish(swarm, name) for name in names]
     names = [start_trainer(swarm, n, 2, "--min-trainers", "2", name=f"again-{n}") for n in (0, 1)]
     again = [finish(swarm, name) for name in names]
-    assert [r["step"] for r in first[0] + again[0]] == [0, 1, 2, 3]
-    assert [r["step"] for r in first[1] + again[1]] == [0, 1, 2, 3]
+    assert [r["step"] for r in first[0] + again[0]] == [0, 1, 2]
+    assert [r["step"] for r in first[1] + again[1]] == [0, 1, 2]
     assert all(r["completed"] == M for r in first[0] + again[0])
     reference = reference_losses(
-        seed=SEED, optimizer=OPTIMIZER, batches=run_order(), steps=4, microbatches_per_step=M
+        seed=SEED, optimizer=OPTIMIZER, batches=run_order(), steps=3, microbatches_per_step=M
     )
     assert_losses_match_reference([_Loss(r["loss"]) for r in first[0] + again[0]], reference)

@@ -37,7 +37,12 @@ def test_a_feed_skips_the_shares_of_the_steps_the_run_did_without_it():
 
 @pytest.mark.parametrize(
     ("text", "match"),
-    [("1", "is not I/N"), ("a/b", "is not I/N"), ("2/2", "I must be in 0..1"), ("0/0", "N >= 1")],
+    [
+        ("1", "is not I/N"),
+        ("a/b", "is not I/N"),
+        ("2/2", "I must be in 0..1"),
+        ("0/0", "--shard 0/0: N must be >= 1"),
+    ],
 )
 def test_bad_shards_are_one_clear_line(text, match):
     with pytest.raises(ConfigError, match=match):

@@ -31,7 +31,7 @@ class Shard:
 
     def __post_init__(self):
         if not isinstance(self.count, int) or not isinstance(self.index, int) or self.count < 1:
-            raise ConfigError(f"a shard is I/N with N >= 1, got {self.index!r}/{self.count!r}")
+            raise ConfigError(f"shard {self.index!r}/{self.count!r}: N must be >= 1")
         if not 0 <= self.index < self.count:
             raise ConfigError(f"shard {self.index}/{self.count}: I must be in 0..{self.count - 1}")
 
@@ -41,7 +41,10 @@ class Shard:
         index, slash, count = str(text).partition("/")
         if not slash or not index.strip().isdigit() or not count.strip().isdigit():
             raise ConfigError(f"--shard {text!r} is not I/N: give this trainer's shard, e.g. 0/2 or 1/2")
-        return cls(int(index), int(count))
+        try:
+            return cls(int(index), int(count))
+        except ConfigError as e:
+            raise ConfigError(f"--{e}") from None
 
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
