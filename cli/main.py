@@ -221,16 +221,49 @@ def train(
         ),
     ] = 60.0,
     threads: Threads = None,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            help="This trainer's shard I/N of the run's data: it feeds microbatches I, I+N, I+2N, ... of "
+            "the run's data order, other trainers the rest; N must divide the run's microbatches per step.",
+            show_default="its place among the run's authorized trainers (I of N), the whole data if the "
+            "run authorizes any trainer",
+        ),
+    ] = None,
+    min_trainers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Wait (at most a minute) until this many trainers of the run are up before the first "
+            "step, so trainers started together feed the run from its first step.",
+        ),
+    ] = 1,
+    verify_replicas: Annotated[
+        bool,
+        typer.Option(
+            "--verify-replicas", help="Check after each step that every stage's replicas are bit-identical."
+        ),
+    ] = False,
     jsonl: Annotated[
         bool, typer.Option("--jsonl", help="Print one JSON object per step instead of text.")
     ] = False,
+    inject_fault: Annotated[
+        str | None,
+        typer.Option(
+            hidden=True,
+            help="Testing: kill:KIND:N kills this trainer as it sends its N-th request of a kind "
+            "(forward, claim, prepare, exchange, apply, report).",
+            show_default="no fault",
+        ),
+    ] = None,
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     run_owner: RunOwner = None,
     allow_model: AllowModel = None,
     verbose: Verbose = False,
 ) -> None:
-    """Train a run: feed microbatches of text (bytes, or token ids from the model's tokenizer) into the swarm and step it."""
+    """Train a run: feed microbatches of text (bytes, or token ids from the model's tokenizer) into
+    the swarm and step it. Several trainers may feed one run, each its shard of every step."""
     setup_logging(verbose)
     from swarmtrain.model import ModelSources
     from swarmtrain.peers.trainer import Trainer, TrainerConfig
@@ -246,11 +279,21 @@ def train(
         node = NodeConfig(
             initial_peers=tuple(initial_peers), **trust_settings("trainer", identity, swarm_key, run_owner)
         )
-        config = TrainerConfig(node=node, run_id=run_id, microbatch_timeout_s=timeout)
+        config = TrainerConfig(
+            node=node,
+            run_id=run_id,
+            microbatch_timeout_s=timeout,
+            shard=shard or "auto",
+            min_trainers=min_trainers,
+            verify_replicas=verify_replicas,
+            fault=inject_fault,
+        )
         with Trainer(config) as trainer:
             models = ModelSources(allow=tuple(allow_model or ()))
             batches = text_batches_for(trainer.manifest, data, models=models)
-            for result in trainer.train(batches, steps=steps):
+            if trainer.shard.count > 1:
+                typer.echo(f"feeding shard {trainer.shard} of run {trainer.manifest.run_id!r}", err=jsonl)
+            for result in trainer.train(batches, steps=steps, run_order=True):
                 if jsonl:
                     record = {
                         "step": result.step,
@@ -259,6 +302,7 @@ def train(
                         "seconds": result.seconds,
                         "tokens_per_s": result.tokens_per_s,
                         "completed": result.completed,
+                        "adopted": result.adopted,
                         "replays": result.replays,
                         "dropped": result.dropped,
                         "replay_causes": result.replay_causes,
@@ -266,6 +310,7 @@ def train(
                         "window": result.window,
                         "lr": result.lr,
                         "grad_norm": result.grad_norm,
+                        "replicas_equal": result.replicas_equal,
                     }
                     typer.echo(json.dumps(record))
                 else:

@@ -125,6 +125,7 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         coordinator_port=config.port,
         dashboard_port=0,
         swarm_key=config.swarm_key,
+        num_trainers=1,  # the demo's one trainer feeds every step
     )
     num_peers = sum(len(row["peer_slowdowns"]) for row in layout) if layout else config.num_stages
     started = time.monotonic()

@@ -78,3 +78,50 @@ class SlowdownSource:
             except (OSError, ValueError):
                 pass  # a half-written file: keep the last value
         return self._value
+
+
+CALL_KINDS = ("forward", "claim", "prepare", "exchange", "apply", "report")
+"""What a trainer's fault counts: microbatches it sends into stage 0, the commit phases it
+sends, the reports it sends another trainer."""
+
+
+class CallFault:
+    """'kill:KIND:N' kills a trainer (kill -9 of its process group: its DHT process and daemon
+    die with it) as it sends its N-th request of a kind: 'kill:forward:3' in the middle of its
+    feeding, 'kill:exchange:1' in the middle of its first commit."""
+
+    def __init__(self, spec: str | None):
+        self.kind, self.nth = self.parse(spec) if spec else (None, 0)
+        self._seen = 0
+
+    @staticmethod
+    def parse(spec: str) -> tuple[str, int]:
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[0] != "kill" or parts[1] not in CALL_KINDS or not parts[2].isdigit():
+            raise ConfigError(
+                f"--inject-fault {spec!r} must be kill:KIND:N with KIND one of {', '.join(CALL_KINDS)}, "
+                "N >= 1 (e.g. kill:exchange:1)"
+            )
+        if int(parts[2]) < 1:
+            raise ConfigError(f"--inject-fault {spec!r}: N counts from 1")
+        return parts[1], int(parts[2])
+
+    def before_call(self, frame) -> None:
+        kind = frame.meta.get("phase") if frame.kind == "step" else frame.kind
+        if self.kind is None or kind != self.kind:
+            return
+        self._seen += 1
+        if self._seen == self.nth:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def wrap(self, transport) -> None:
+        """Count (and strike at) every request `transport` sends."""
+        if self.kind is None:
+            return
+        call = transport.call
+
+        async def faulty_call(peer, name, request, *, timeout_s):
+            self.before_call(request)
+            return await call(peer, name, request, timeout_s=timeout_s)
+
+        transport.call = faulty_call

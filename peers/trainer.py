@@ -1,9 +1,13 @@
 """The trainer: owns the data, pushes microbatches into stage 0, steps the stages.
 
-One optimizer step sends `microbatches_per_step` microbatches into the swarm, a window of
-them in flight at once (grown while throughput grows, halved on timeouts), then commits
-every stage so that each microbatch's gradient counts exactly once (the protocol is
+One optimizer step takes `microbatches_per_step` microbatches, a window of them in flight at
+once (grown while throughput grows, halved on timeouts), then commits every stage so that
+each microbatch's gradient counts exactly once (the protocol is
 `swarmtrain.train.step.TrainerStep`; this process gives it a DHT view and a transport).
+Several trainers may feed one run, each its shard of every step (`TrainerConfig.shard`); each
+step one of them commits and the others report to it, and any of them may die
+(`swarmtrain.train.team`; this trainer serves the others and announces itself:
+`trainer_presence`).
 Every microbatch is accounted for: completed, or dropped with a cause; replays are counted
 by cause; `Trainer.totals` keeps the counts, and each step's are in its StepResult.
 
@@ -19,14 +23,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from hivemind.utils import get_dht_time
 
-from swarmtrain.errors import BadFrameError, ConfigError, PeerUnreachableError, RemoteError
+from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError
+from swarmtrain.peers.faults import CallFault
+from swarmtrain.peers.trainer_config import TrainerConfig, check_authorized, shard_of
+from swarmtrain.peers.trainer_presence import TrainerPresence
 from swarmtrain.schedule import InFlightWindow, ReadinessRouter, RoundRobinRouter, WindowConfig
-from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
+from swarmtrain.swarm import SwarmNode, stage_replicas
 from swarmtrain.train.authority import claim_limit, committed_step, read_points
 from swarmtrain.train.data import loss_inputs_of
 from swarmtrain.train.rollback import RollbackNeeded, RollbackPlan, plan_rollback
@@ -38,8 +45,10 @@ from swarmtrain.train.run_length import (
     run_is_over,
     steps_to_run,
 )
+from swarmtrain.train.shards import ShardFeed
 from swarmtrain.train.step import StepFailedError, StepResult, TrainerContext, TrainerStep
-from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
+from swarmtrain.train.team import Team
+from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.frames import Frame
 from swarmtrain.wire.messages import Rollback
 from swarmtrain.wire.records import RunManifest
@@ -51,54 +60,14 @@ ROLLBACK_TIMEOUT_S = 120.0
 REFRESH_S = 1.0
 """How old the trainer's view of the serving replicas may get before it reads the DHT again."""
 
-__all__ = ["RunFinishedError", "StepFailedError", "StepResult", "Trainer", "TrainerConfig"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    """A trainer: which swarm and run, and how patient to be."""
-
-    node: NodeConfig = field(default_factory=NodeConfig)
-    run_id: str | None = None
-    """Run to train; None trains the only run the swarm announces."""
-    microbatch_timeout_s: float = 60.0
-    """Budget for one microbatch's whole trip: forward through every stage and back."""
-    max_retries: int = 6
-    """Replays of a microbatch from the trainer after retryable failures before the step fails
-    (each failure bans that replica for 1, 2, 4, ... up to 30 s)."""
-    wait_for_stages_s: float = 60.0
-    """How long to wait for every stage to have a serving peer."""
-    max_dropped_fraction: float = 0.0
-    """Share of a step's microbatches that may be dropped (refused as bad by a stage: a
-    non-finite loss, say) with the step going on, rescaled; past it the step fails."""
-    verify_replicas: bool = False
-    """Ask every replica for a hash of its parameters after each step (StepResult.replicas_equal)."""
-    window: WindowConfig | None = None
-    """The in-flight window; None: start at the run's max_in_flight, at most a step's microbatches."""
-    transport: TransportConfig = field(default_factory=TransportConfig)
-
-    def __post_init__(self):
-        if self.microbatch_timeout_s <= 1:
-            raise ConfigError(
-                f"the microbatch timeout must be over 1 s, got {self.microbatch_timeout_s}: raise --timeout"
-            )
-        if self.max_retries < 0 or self.wait_for_stages_s < 0:
-            raise ConfigError(
-                f"max_retries and wait_for_stages_s must be >= 0, got {self.max_retries} and {self.wait_for_stages_s}"
-            )
-        if not 0 <= self.max_dropped_fraction < 1:
-            raise ConfigError(f"max_dropped_fraction must be in [0, 1), got {self.max_dropped_fraction}")
-
-
-def check_authorized(manifest: RunManifest, peer_id: str) -> None:
-    """Raise ConfigError unless the run's owner authorizes the trainer `peer_id` (stage peers
-    would refuse its every microbatch)."""
-    if manifest.trainers and peer_id not in manifest.trainers:
-        raise ConfigError(
-            f"this trainer ({peer_id}) is not one the owner of run {manifest.run_id!r} authorizes "
-            f"({', '.join(manifest.trainers)}): start the run's coordinator with --trainer {peer_id}, "
-            "or train with --identity set to an authorized trainer's key file"
-        )
+__all__ = [
+    "RunFinishedError",
+    "StepFailedError",
+    "StepResult",
+    "Trainer",
+    "TrainerConfig",
+    "check_authorized",
+]
 
 
 class Trainer:
@@ -113,6 +82,7 @@ class Trainer:
         try:
             self.manifest: RunManifest = self.node.require_manifest(config.run_id)
             check_authorized(self.manifest, self.node.peer_id)
+            self.shard = shard_of(config, self.manifest, self.node.peer_id)
             self.transport = self._run(self._make_transport())
         except BaseException:
             self.close()
@@ -135,12 +105,26 @@ class Trainer:
         self._replicas_at = -1.0
         self.totals = Counter()
         """completed, replayed, dropped: microbatches since the trainer started."""
+        self.presence = TrainerPresence(self.node, self.manifest.run_id)
+        self.team = Team(
+            self._context(),
+            shard=self.shard,
+            total=batch.microbatches_per_step,
+            members=self.presence.members,
+            authorized=lambda peer: not self.manifest.trainers or peer in self.manifest.trainers,
+            wait_s=config.microbatch_timeout_s * (config.max_retries + 1),
+        )
+        self._run(self.transport.serve(self.handler, self.team.handle))
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _make_transport(self) -> TensorTransport:
-        return TensorTransport(await self.node.p2p(), self.config.transport, swarm_key=self.node.swarm_key)
+        transport = TensorTransport(
+            await self.node.p2p(), self.config.transport, swarm_key=self.node.swarm_key
+        )
+        CallFault(self.config.fault).wrap(transport)
+        return transport
 
     def close(self) -> None:
         """Close the streams, then the DHT node; safe to call twice."""
@@ -354,6 +338,7 @@ class Trainer:
             router=self.router,
             transport=self.transport,
             replicas=self.replicas,
+            all_replicas=lambda: self._replicas_at_step(step=-1, wait=False),
             wait_for_replica=self.wait_for_replica,
             known_step=self.known_step,
             microbatch_timeout_s=cfg.microbatch_timeout_s,
@@ -381,54 +366,83 @@ class Trainer:
         if run_is_over(m.max_steps, committed, records, self.node.owner_of(m.run_id)):
             raise finished_error(m.run_id, m.max_steps)
 
-    def train(self, batches: Iterable, *, steps: int) -> Iterator[StepResult]:
+    def train(self, batches: Iterable, *, steps: int, run_order: bool = False) -> Iterator[StepResult]:
         """Run `steps` optimizer steps over microbatches drawn from `batches`; yield each result.
 
         Each item of `batches` is one microbatch with the run's microbatch size: (inputs,
-        targets), or (inputs, {name: tensor}) naming every input the run's loss takes.
+        targets), or (inputs, {name: tensor}) naming every input the run's loss takes. The
+        trainer feeds its shard's share of each step (all of it without a shard): drawn in
+        order from `batches`, or, with `run_order`, from `batches` as the run's whole data
+        order from its first microbatch (the shard's items only, from the run's step on: a
+        trainer that restarts, or that the run went on without, never feeds data twice).
         A run with a step count (max_steps) stops at its last step, fewer than `steps` if
         that comes first (then `finished` is True, and the log says so).
         Raises StepFailedError when a step cannot complete, RunFinishedError when the run
         has no step left.
         """
-        it = iter(batches)
         self._run(self._check_not_over())
         self._run(self._replicas_at_step(step=-1))  # a replica of every stage, at whatever step
         self._run(self._sync_step())
         steps = steps_to_run(self.manifest.run_id, self.step, steps, self.manifest.max_steps)
-        m = self.manifest.batch.microbatches_per_step
-        for _ in range(steps):
-            microbatches = []
-            for _ in range(m):
-                try:
-                    microbatches.append(loss_inputs_of(next(it)))
-                except StopIteration:
+        m, shard = self.manifest.batch.microbatches_per_step, self.shard
+        if run_order:
+            feed = ShardFeed.from_run_order(batches, shard, m)
+        else:
+            feed = ShardFeed(batches, share=shard.share(m), first_step=self.step)
+        self.team.step, self.team.feeding = self.step, True
+        self._run(self._join_team())
+        try:
+            for _ in range(steps):
+                items = feed.take(self.step)
+                if items is None:
                     return
-            rolled_back = None
-            while True:
-                plan = rolled_back is None and self._run(self._rollback_plan())
-                if plan:  # a lost stage came back from a checkpoint: go back with it first
-                    self._run(self._roll_back(plan))
-                    rolled_back = plan
-                try:
-                    result = self._run(TrainerStep(self._context(), self.step, microbatches).run())
-                    break
-                except (RollbackNeeded, StepFailedError) as e:  # a stage was lost during the step
-                    plan = e.plan if isinstance(e, RollbackNeeded) else self._run(self._rollback_plan())
-                    if plan is None:
-                        raise
-                    if rolled_back is not None:
-                        raise StepFailedError(
-                            f"step {self.step}: {e} again, right after a rollback"
-                        ) from None
-                    self._run(self._roll_back(plan))
-                    rolled_back = plan
-            if rolled_back is not None:
-                result = replace(result, rolled_back=rolled_back.describe())
-            self.step = result.step + 1
-            self.totals.update(completed=result.completed, replayed=result.replays, dropped=result.dropped)
-            self.window.on_step(result.tokens_per_s, timeouts=result.timeouts)
-            self._publish(result)
-            if self.finished:
-                logger.info(last_step_message(self.manifest.run_id, self.manifest.max_steps))
-            yield result
+                result = self._run_step([loss_inputs_of(item) for item in items])
+                if result.rolled_back:
+                    feed.relabel(result.step)
+                self.step = result.step + 1
+                self.totals.update(
+                    completed=result.completed, replayed=result.replays, dropped=result.dropped
+                )
+                self.window.on_step(result.tokens_per_s, timeouts=result.timeouts)
+                self._publish(result)
+                if self.finished:
+                    logger.info(last_step_message(self.manifest.run_id, self.manifest.max_steps))
+                yield result
+        finally:
+            self.team.feeding = False
+            if not self._loop.is_closed():
+                self._run(self.presence.stop())
+
+    async def _join_team(self) -> None:
+        """Announce this trainer; wait for `min_trainers` of the run (joining ones count)."""
+        await self.presence.start()
+        if self.config.min_trainers > 1:
+            await self.presence.wait_for(self.config.min_trainers, self.config.wait_for_stages_s)
+        await self.presence.announce("serving", self.step)
+
+    def _run_step(self, microbatches: list) -> StepResult:
+        """This trainer's share of its step, rolling the run back first when a lost stage
+        came back from a checkpoint (before the step, or found during it)."""
+        m = self.manifest.batch.microbatches_per_step
+        rolled_back = None
+        while True:
+            plan = rolled_back is None and self._run(self._rollback_plan())
+            if plan:  # a lost stage came back from a checkpoint: go back with it first
+                self._run(self._roll_back(plan))
+                rolled_back = plan
+            self.presence.step = self.step
+            own = TrainerStep(
+                self._context(), self.step, microbatches, positions=self.shard.positions(m), total=m
+            )
+            try:
+                result = self._run(self.team.run_step(own))
+                break
+            except (RollbackNeeded, StepFailedError) as e:  # a stage was lost during the step
+                plan = e.plan if isinstance(e, RollbackNeeded) else self._run(self._rollback_plan())
+                if plan is None:
+                    raise
+                if rolled_back is not None:
+                    raise StepFailedError(f"step {self.step}: {e} again, right after a rollback") from None
+                self._run(self._roll_back(plan))
+                rolled_back = plan
+        return result if rolled_back is None else replace(result, rolled_back=rolled_back.describe())

@@ -45,6 +45,8 @@ class Cause(StrEnum):
     """The peer's own failure (an internal error, state it lacks); another try may succeed."""
     BANNED = "banned"
     """The peer bans the caller after repeated bad frames."""
+    CLAIMED = "claimed"
+    """Another trainer holds the commit of this step (`swarmtrain.train.commit` claims)."""
     UNAUTHORIZED = "unauthorized"
     """The run does not authorize the caller to do this (not its trainer, not a replica of
     the stage, not the microbatch's owner, or no proof of the private swarm's key)."""
@@ -55,7 +57,9 @@ class Cause(StrEnum):
         return self not in _FINAL
 
 
-_FINAL = frozenset({Cause.WRONG_RUN, Cause.BAD_FRAME, Cause.REFUSED, Cause.BANNED, Cause.UNAUTHORIZED})
+_FINAL = frozenset(
+    {Cause.WRONG_RUN, Cause.BAD_FRAME, Cause.REFUSED, Cause.BANNED, Cause.UNAUTHORIZED, Cause.CLAIMED}
+)
 
 
 class RemoteError(SwarmError):

@@ -202,6 +202,9 @@ CASES = {
         ("join", "--initial-peers", "{nobody}", "--ready-file", "/nonexistent-folder/ready"),
         ("--ready-file", "/nonexistent-folder does not exist"),
     ),
+    "shard-out-of-range": Case(
+        ("train", "--initial-peers", "{nobody}", "--shard", "2/2"), ("--shard 2/2: I must be in 0..1",)
+    ),
     # typer's own usage errors, one line like the rest
     "threads-zero": Case(
         ("train", "--initial-peers", "{nobody}", "--threads", "0"),

@@ -10,6 +10,7 @@ from swarmtrain.wire.messages import (
     Abort,
     Applied,
     Apply,
+    Claim,
     CommitRequest,
     Exchange,
     Exchanged,
@@ -20,6 +21,8 @@ from swarmtrain.wire.messages import (
     Prepared,
     Readiness,
     ResultMeta,
+    Status,
+    StepStatus,
 )
 from tests.test_wire import read_bytes
 
@@ -47,6 +50,15 @@ RECORDS = [
     Applied(digest="abc"),
     Applied(),
     GradsMeta(attempt=1),
+    StepStatus(
+        committer="QmA",
+        exchanged=True,
+        next_attempt=3,
+        applied_step=4,
+        applied_scale=0.5,
+        counted=("t:4.0:1",),
+    ),
+    StepStatus(),
     PongMeta(state="serving", served=3, failed=1, in_flight=2, r_backlog=0.1),
     Readiness(r_backlog=1.0, r_service=0.5, r_queue=4),
 ]
@@ -60,7 +72,15 @@ def test_records_round_trip_through_a_frame(record):
 
 
 @pytest.mark.parametrize(
-    "request_", [Prepare(), Exchange(fresh=(), take=(), group=("QmA",)), Apply(), Abort()]
+    "request_",
+    [
+        Prepare(),
+        Exchange(fresh=(), take=(), group=("QmA",)),
+        Apply(),
+        Abort(),
+        Claim(replaces=("QmA",)),
+        Status(),
+    ],
 )
 def test_commit_requests_parse_by_phase(request_):
     assert CommitRequest.parse(request_.to_meta()) == request_
@@ -122,7 +142,7 @@ def test_bad_fields_are_refused_by_name(record, meta, match):
 def test_an_unknown_commit_phase_is_refused():
     with pytest.raises(
         BadFrameError,
-        match=r"unknown commit phase 'launch' \(known: prepare, exchange, apply, abort, rollback\)",
+        match=r"unknown commit phase 'launch' \(known: prepare, exchange, apply, abort, rollback, claim, status\)",
     ):
         CommitRequest.parse({"phase": "launch"})
     with pytest.raises(BadFrameError, match="unknown commit phase None"):

@@ -15,11 +15,19 @@ whose buffers cannot be made exact (a microbatch in two buffers, or a buffer hol
 that did not complete) must discard the step's gradients and replay it whole.
 `decide_commit` turns every stage's plan into the round's one decision: wait, abort, repair
 or exchange.
+
+Several trainers feed a step, and one commits it. A microbatch of a trainer that left before
+it reported is an orphan (`orphans`): when every stage holds its gradient (fresh or held in
+some live replica) it went through the whole pipeline and counts, with no loss known;
+otherwise it is still on its way or stranded, and once it settles or the wait runs out it is
+left uncompleted, so a stage that holds it must discard (abort) and its other microbatches
+be replayed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -180,3 +188,14 @@ def decide_commit(
         needed_by = tuple(k for k in stages if mb in plans[k].missing)
         repairs.append(Repair(mb=mb, prefer=prefer, needed_by=needed_by))
     return CommitDecision(action=CommitAction.REPAIR, plans=plans, repairs=tuple(repairs))
+
+
+def orphans(
+    reports: dict[int, list[ReplicaReport]], is_orphan: Callable[[str], bool]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """The orphans among the microbatches the replicas hold (`is_orphan(mb)`: its trainer left):
+    (those every stage holds: they count; those only some stages hold)."""
+    held = {k: set().union(*(r.fresh | r.held for r in rs)) for k, rs in reports.items()}
+    found = {mb for mbs in held.values() for mb in mbs if is_orphan(mb)}
+    complete = frozenset(mb for mb in found if all(mb in mbs for mbs in held.values()))
+    return complete, frozenset(found - complete)

@@ -1,6 +1,12 @@
-"""A stage replica's side of the step commit: prepare, exchange, apply (and abort).
+"""A stage replica's side of the step commit: claim, prepare, exchange, apply (and abort).
 
-The trainer drives every stage's replicas through the commit together (`step.TrainerStep`):
+A trainer drives every stage's replicas through the commit together (`committer.StepCommit`).
+Several trainers may feed a run, so the step's commit is first claimed: one trainer holds it
+and the phases below are served to it alone (`claims.StepClaim`); a Claim or a Status
+answers with where the replica is (`StepStatus`): the claim's holder, whether it holds its
+group's total, the exchange attempts used, and the step it last applied, with its gradient
+scale and the microbatches it counted, so a trainer that takes over from one that died can
+finish an apply it left half done.
 
 1. prepare: a replica reports which microbatches' gradients are in its buffer ("fresh")
    and which replays it holds apart ("held"), and accepts gradients again.
@@ -32,6 +38,7 @@ from swarmtrain.compress.feedback import ErrorFeedback
 from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
 from swarmtrain.train.averaging import GradientInbox, check_like, group_sum
 from swarmtrain.train.bounds import SQUARE_SAFE, admit_frame, tensor_norm
+from swarmtrain.train.claims import StepClaim
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.serving import ReplayCache
 from swarmtrain.wire.frames import Frame
@@ -39,12 +46,15 @@ from swarmtrain.wire.messages import (
     Abort,
     Applied,
     Apply,
+    Claim,
     CommitRequest,
     Exchange,
     Exchanged,
     GradsMeta,
     Prepare,
     Prepared,
+    Status,
+    StepStatus,
 )
 
 EXCHANGE_TIMEOUT_S = 30.0
@@ -64,6 +74,9 @@ class CommitParticipant:
         """(step, the group's gradient total or None for a replica alone) once exchanged."""
         self._group: tuple[int, int, frozenset[str]] | None = None
         """(step, attempt, the group) of the last exchange asked of this replica."""
+        self.claim = StepClaim()
+        self._applied: tuple[int, float, tuple[str, ...]] | None = None
+        """(step, grad_scale, the microbatches counted) of the last step applied."""
 
     def reset(self) -> None:
         """The replica's state was replaced (taken from another replica): forget the step."""
@@ -71,6 +84,7 @@ class CommitParticipant:
         self.feedback = ErrorFeedback()
         self._total = None
         self._group = None
+        self._applied = None
 
     @property
     def exchanged(self) -> bool:
@@ -86,10 +100,50 @@ class CommitParticipant:
         ctx = self.ctx
         return Frame(kind="step_done", run_id=ctx.run_id, stage=ctx.stage, step=step, meta=meta or {})
 
-    async def on_step(self, frame: Frame) -> Frame:
-        """Answer one commit request; RemoteError (with its cause) when this replica cannot."""
+    def status(self) -> Frame:
+        """This replica's StepStatus (see the module docstring)."""
+        step, group, applied = self.ctx.runner.step, self._group, self._applied
+        status = StepStatus(
+            committer=self.claim.holder_of(step),
+            exchanged=self.exchanged,
+            next_attempt=group[1] + 1 if group is not None and group[0] == step else 0,
+            applied_step=None if applied is None else applied[0],
+            applied_scale=None if applied is None else applied[1],
+            counted=() if applied is None else applied[2],
+        )
+        return self._done(step, status.to_meta())
+
+    def _refuse_claimed(self, step: int) -> RemoteError:
+        return RemoteError(
+            f"trainer {self.claim.holder_of(step)[-8:]} commits step {step} on this replica",
+            cause=Cause.CLAIMED,
+        )
+
+    async def on_step(self, frame: Frame, caller: str) -> Frame:
+        """Answer one commit request of trainer `caller`; RemoteError (with its cause) when this
+        replica cannot (CLAIMED: another trainer commits the step)."""
         request = CommitRequest.parse(frame.meta)
         runner, scheduler = self.ctx.runner, self.ctx.scheduler
+        if isinstance(request, (Status, Claim)):  # after the phases queued before it (an apply, say)
+            await scheduler.call(lambda: None)
+        current = frame.step == runner.step
+        if isinstance(request, Status):
+            return self.status()
+        if isinstance(request, Claim):
+            if current:
+                self.claim.take(frame.step, caller, request.replaces)
+            return self.status()
+        applied_already = (
+            isinstance(request, Apply) and runner.step == frame.step + 1 and not runner.has_gradients
+        )
+        if current and not applied_already:
+            holds = (
+                self.claim.take(frame.step, caller)
+                if isinstance(request, Prepare)
+                else self.claim.allows(frame.step, caller)
+            )
+            if not holds:
+                raise self._refuse_claimed(frame.step)
         if isinstance(request, Prepare):
             await scheduler.call(runner.reopen)
             self._total = None
@@ -139,7 +193,9 @@ class CommitParticipant:
             )
         else:
             total = self._total[1]
+            counted = tuple(sorted(runner.report()[0]))
             await ctx.scheduler.call(lambda: runner.apply_step(step, total, grad_scale=request.grad_scale))
+            self._applied = (step, request.grad_scale, counted)
             self._total = None
             self.cache.clear()
             ctx.on_applied()

@@ -4,7 +4,8 @@
 stage module from the run seed, a `StageRunner`, a `ComputeScheduler` thread, a router) and
 serves each with `service.StageService` over a `transport.memory.MemoryNetwork`; a trainer
 drives steps with `step.TrainerStep`. Routing is exact (no DHT): a killed replica is out of
-every route at once. The run authorizes one trainer, `TRAINER`; the replicas' authorities
+every route at once. The run authorizes `InProcessConfig.trainers` trainers, `TRAINER` first
+(`trainer_names`; several feed the run together through `inprocess_team`); the replicas' authorities
 (`authority.RunAuthority`) see the membership as of the last `refresh_members`, so a replica
 that `join`s is known to the others one refresh later, as a new peer's record in a DHT is.
 Faults are the network's (`swarm.network`: lost replies, delays, duplicates, held frames,
@@ -63,6 +64,8 @@ class InProcessConfig:
     max_dropped_fraction: float = 0.0
     verify_replicas: bool = True
     window: int = 4
+    trainers: int = 1
+    """Trainers the run authorizes (`InProcessSwarm.trainer_names`)."""
 
     def __post_init__(self):
         if len(self.replicas) != self.manifest.num_stages or min(self.replicas) < 1:
@@ -104,6 +107,8 @@ class InProcessSwarm:
         static = m.schedule == "static"
         self.router = RoundRobinRouter() if static else ReadinessRouter()
         self.trainer = self.network.transport(TRAINER)
+        self.trainer_names = (TRAINER, *(f"{TRAINER}-{i}" for i in range(1, config.trainers)))
+        """The trainers the run authorizes; `TRAINER`, the lowest id, drives `step` and `train`."""
         self.members: dict[str, int] = {}
         """Replica -> its stage, as the authorities see the membership (see the module docstring)."""
         for k, count in enumerate(config.replicas):
@@ -142,7 +147,7 @@ class InProcessSwarm:
             replicas=lambda k: [p for p in self.live(k) if p != name],
             refresh=asyncio.sleep,
             authority=RunAuthority(
-                trainers=lambda: frozenset({TRAINER}),
+                trainers=lambda: frozenset(self.trainer_names),
                 stage_of=lambda peer: self.members.get(peer),
                 refresh=self.refresh_members,
             ),
@@ -220,18 +225,21 @@ class InProcessSwarm:
     ) -> dict[int, list[str]]:
         return {k: self.live(k) for k in range(self.manifest.num_stages)}
 
-    def trainer_context(self) -> TrainerContext:
+    def trainer_context(self, name: str = TRAINER, transport=None) -> TrainerContext:
+        """The context of trainer `name` (another than `TRAINER` brings its own `transport`)."""
         cfg = self.config
+        first = name == TRAINER
         return TrainerContext(
             run_id=self.manifest.run_id,
-            trainer_id=TRAINER,
+            trainer_id=name,
             num_stages=self.manifest.num_stages,
             static=self.manifest.schedule == "static",
-            router=self.router,
-            transport=self.trainer,
+            router=self.router if first else type(self.router)(),
+            transport=self.trainer if first else transport,
             replicas=self._trainer_replicas,
+            all_replicas=self._trainer_replicas,
             wait_for_replica=asyncio.sleep,
-            known_step=self.known_step,
+            known_step=self.known_step if first else {},
             microbatch_timeout_s=cfg.microbatch_timeout_s,
             max_retries=cfg.max_retries,
             max_dropped_fraction=cfg.max_dropped_fraction,

@@ -83,7 +83,7 @@ class StageService:
                 request = CommitRequest.parse(frame.meta)
                 if isinstance(request, Rollback):
                     return await self._rollback(frame.step, request)
-                return await self.commit.on_step(frame)
+                return await self.commit.on_step(frame, caller)
             if frame.kind == "grads":
                 return await self.commit.on_grads(frame, caller)
             if frame.kind == "state":

@@ -1,21 +1,19 @@
-"""One optimizer step, driven by a trainer: send every microbatch, then commit every stage.
+"""One optimizer step, as one trainer runs it: its share of the microbatches, then the commit.
 
-Flow. At most `window` microbatches are in flight. Each goes to the stage-0 replica the
-router expects to finish it first (static schedule: round-robin, with the whole route fixed
-by `schedule.static`); stages chain it on, replaying failed hops themselves. A call that
-fails here bans that replica and the microbatch is replayed (marked as a replay) from the
-trainer, which holds its input (`hop.Hop`, the same loop the stages use). Every microbatch
-ends completed or dropped with a cause (`StepLedger`).
+Flow. A trainer feeds its share of the step: the positions its shard holds (`shards`; all of
+them for a trainer alone), each microbatch under an id with the trainer's peer id and its
+position (`authority.microbatch_id`), its loss scaled by 1 / the step's microbatches so the
+stages' gradient sums add up to the step's mean. At most `window` are in flight. Each goes to
+the stage-0 replica the router expects to finish it first (static schedule: round-robin,
+with the whole route fixed by `schedule.static`); stages chain it on, replaying failed hops
+themselves. A call that fails here bans that replica and the microbatch is replayed (marked
+as a replay) from the trainer, which holds its input (`hop.Hop`, the same loop the stages
+use). Every microbatch ends completed or dropped with a cause (`StepLedger`).
 
-Commit (`commit.CommitParticipant` is the replicas' side), in rounds until it goes through:
-prepare every live replica of every stage, then act on `schedule.decide_commit`: wait for a
-stage with no live replica; discard a stage whose buffers cannot be made exact (its
-microbatches replay); replay what no live replica holds (a replica died with it), steering
-each stage to the replica that already has the work; or exchange gradients within each
-stage and, once every stage has exchanged, apply everywhere. Nothing is applied before every
-stage can apply, so a death anywhere before that costs a replay, not data. Each stage's
-exchange reply gives its gradient total's squared norm; the apply's one `grad_scale` carries
-the dropped-microbatch rescale times the clip coefficient of the whole model's gradient norm.
+Commit. One trainer commits each step over every trainer's share (`committer.StepCommit`);
+a trainer alone commits its own steps (`TrainerStep.run`), and with others `team.Team`
+decides who commits. The commit may ask this trainer to replay microbatches a dead replica
+took with it (`replay`).
 """
 
 from __future__ import annotations
@@ -23,101 +21,65 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError, SwarmError
-from swarmtrain.schedule import CommitAction, ReadinessRouter, ReplicaReport, StepLedger, decide_commit
+from swarmtrain.errors import RemoteError
+from swarmtrain.schedule import StepLedger
+from swarmtrain.schedule.accounting import Repair
 from swarmtrain.schedule.static import assign
 from swarmtrain.train.authority import microbatch_id
+from swarmtrain.train.committer import SOLO, Deferred, StepCommit, StepFailedError
 from swarmtrain.train.hop import Hop, HopContext, HopFailedError, HopFailure
-from swarmtrain.train.optim import clip_coefficient, lr_at
+from swarmtrain.train.optim import lr_at
 from swarmtrain.train.run_length import finished_error, is_finished
+from swarmtrain.train.step_account import Committed, Share
 from swarmtrain.train.step_result import StepResult
-from swarmtrain.transport import TensorTransport, handler_name
+from swarmtrain.train.trainer_context import TrainerContext
 from swarmtrain.wire.frames import Frame
-from swarmtrain.wire.messages import (
-    NO_PREFERENCE,
-    Abort,
-    Applied,
-    Apply,
-    CommitRequest,
-    Exchange,
-    Exchanged,
-    ForwardMeta,
-    Prepare,
-    Prepared,
-)
-from swarmtrain.wire.records import OptimizerConfig
+from swarmtrain.wire.messages import NO_PREFERENCE, ForwardMeta
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Microbatch", "StepFailedError", "StepResult", "TrainerContext", "TrainerStep"]
+
 _epochs = itertools.count()
-COMMIT_CALL_TIMEOUT_S = 60.0
-"""Longest wait for one replica's answer to a commit phase (the exchange moves gradients)."""
 
 Microbatch = tuple[torch.Tensor, dict[str, torch.Tensor]]
 """(inputs, named loss inputs)."""
 
 
-class StepFailedError(SwarmError):
-    """A step could not complete; the message says which microbatch or stage and why."""
-
-
-@dataclass(kw_only=True)
-class TrainerContext:
-    """What a step needs from the trainer that runs it."""
-
-    run_id: str
-    trainer_id: str
-    """The trainer's peer id: its microbatch ids carry it (`authority.microbatch_id`), and stage 0
-    serves a microbatch only to the trainer its id names."""
-    num_stages: int
-    static: bool
-    """The run's schedule is the static baseline (fixed round-robin routes)."""
-    router: ReadinessRouter
-    transport: TensorTransport
-    replicas: Callable[..., Awaitable[dict[int, list[str]]]]
-    """`await replicas(refresh=False, wait_for_all=False)`: each stage's live replicas at this
-    step; `refresh` reads the swarm again, `wait_for_all` waits until every stage has one."""
-    wait_for_replica: Callable[[float], Awaitable[None]]
-    """Every replica of stage 0 is banned or gone: wait at most this long, then look again."""
-    known_step: dict[str, int]
-    """Per replica, the step its last commit reply said it is at (updated by the step)."""
-    microbatch_timeout_s: float
-    max_retries: int
-    max_dropped_fraction: float
-    verify_replicas: bool
-    window: int
-    """Microbatches in flight at once."""
-    optimizer: OptimizerConfig
-    """The run's optimizer settings: the learning-rate schedule and gradient clipping."""
-    max_steps: int
-    """The run's step count (0: none); no step at or past it is run."""
-
-    @property
-    def handler(self) -> str:
-        return handler_name(self.run_id)
-
-
 class TrainerStep:
-    """One optimizer step (see the module docstring); `await run()` returns its StepResult."""
+    """One trainer's part of one optimizer step (see the module docstring).
 
-    def __init__(self, ctx: TrainerContext, step: int, microbatches: list[Microbatch]):
+    `microbatches[i]` is fed at position `positions[i]` of a step of `total` microbatches
+    (default: all of them, positions 0..len - 1). `await run()` feeds and commits them alone;
+    with other trainers, `await flow()`, then the team commits (`team.Team.settle`).
+    """
+
+    def __init__(
+        self,
+        ctx: TrainerContext,
+        step: int,
+        microbatches: list[Microbatch],
+        *,
+        positions: tuple[int, ...] | None = None,
+        total: int | None = None,
+    ):
         self.ctx = ctx
         self.step = step
         self.microbatches = microbatches
+        self.positions = tuple(range(len(microbatches))) if positions is None else positions
+        self.total = len(microbatches) if total is None else total
+        assert len(self.positions) == len(microbatches) and max(self.positions, default=0) < self.total
         epoch = next(_epochs)
-        self.ids = [microbatch_id(ctx.trainer_id, step, epoch, n) for n in range(len(microbatches))]
+        self.ids = [microbatch_id(ctx.trainer_id, step, epoch, n) for n in self.positions]
         self.ledger = StepLedger(issued=tuple(self.ids))
         self.timeouts = 0
-        self.digests: dict[int, dict[str, str]] = {}
-        self.grad_norm: float | None = None
+        self.started = time.monotonic()
         self._hops = HopContext(
             router=ctx.router,
             transport=ctx.transport,
@@ -133,17 +95,17 @@ class TrainerStep:
 
     async def _send(
         self,
-        n: int,
+        i: int,
         *,
         replay: bool = False,
         prefer: tuple[str | None, ...] = (),
         needed_by: tuple[int, ...] = (),
     ) -> None:
-        """Get microbatch `n` through the pipeline once; record its loss and route."""
-        ctx, mb = self.ctx, self.ids[n]
-        x, loss_inputs = self.microbatches[n]
+        """Get this trainer's `i`-th microbatch through the pipeline once; record its loss and route."""
+        ctx, mb, n = self.ctx, self.ids[i], self.positions[i]
+        x, loss_inputs = self.microbatches[i]
         meta = ForwardMeta(
-            loss_scale=1.0 / len(self.microbatches),
+            loss_scale=1.0 / self.total,
             budget_s=ctx.microbatch_timeout_s,
             order=n,
             prefer=tuple(p or NO_PREFERENCE for p in prefer),
@@ -156,7 +118,7 @@ class TrainerStep:
                 prefer=static.prefer,
                 slots=static.slots,
                 slot_counts=static.slot_counts,
-                microbatches=len(self.microbatches),
+                microbatches=self.total,
             )
 
         def build(target: str, is_replay: bool, budget_s: float) -> Frame:
@@ -202,220 +164,80 @@ class TrainerStep:
         allowed = int(self.ctx.max_dropped_fraction * len(self.ids))
         return len(self.ledger.dropped) < allowed
 
-    async def _flow(self) -> None:
-        window = asyncio.Semaphore(self.ctx.window)
-
-        async def one(n: int) -> None:
-            async with window:
-                await self._send(n)
-
-        await _all(one(n) for n in range(len(self.microbatches)))
-
-    # commit
-
-    async def _call_stage(self, peer: str, stage: int, request: CommitRequest) -> Frame:
-        frame = Frame(
-            kind="step", run_id=self.ctx.run_id, stage=stage, step=self.step, meta=request.to_meta()
-        )
-        return await self.ctx.transport.call(peer, self.ctx.handler, frame, timeout_s=COMMIT_CALL_TIMEOUT_S)
-
-    async def _prepare(self) -> dict[int, list[ReplicaReport]]:
-        """Every reachable replica of every stage at this step, with what it holds."""
-        ctx = self.ctx
-        replicas = await ctx.replicas(refresh=True)
-        now = time.monotonic()
-        groups = {  # a replica that just failed us is left out: it is most likely dead
-            k: {
-                p
-                for p in set(replicas.get(k, [])) | self.ledger.routed_to(k)
-                if not ctx.router.bans.is_banned(p, now)
-            }
-            for k in range(ctx.num_stages)
-        }
-        reports: dict[int, list[ReplicaReport]] = {k: [] for k in range(ctx.num_stages)}
-
-        async def ask(k: int, peer: str) -> None:
-            try:
-                reply = await self._call_stage(peer, k, Prepare())
-                prepared = Prepared.from_meta(reply.meta)
-            except (RemoteError, PeerUnreachableError, BadFrameError) as e:
-                ctx.router.done(peer, time.monotonic(), ok=False)
-                logger.info("stage %d replica %s left the commit: %s", k, peer[-8:], e)
-                return
-            if reply.step == self.step:
-                reports[k].append(
-                    ReplicaReport(peer=peer, fresh=frozenset(prepared.fresh), held=frozenset(prepared.held))
-                )
-
-        await asyncio.gather(*(ask(k, p) for k, peers in groups.items() for p in peers))
-        return reports
-
-    async def _commit(self) -> None:
-        ctx = self.ctx
-        for attempt in range(ctx.max_retries + 3):
-            if attempt:
-                await asyncio.sleep(min(0.25 * 2**attempt, 2.0))
-            reports = await self._prepare()
-            decision = decide_commit(self.ledger.issued, self.ledger.completed, reports)
-            if decision.action == CommitAction.WAIT:
-                logger.warning(
-                    "stage(s) %s have no live replica at step %d: waiting", list(decision.stages), self.step
-                )
-                await ctx.replicas(refresh=True, wait_for_all=True)
-                continue
-            if decision.action == CommitAction.ABORT:
-                logger.warning(
-                    "stage(s) %s hold inexact gradients: discarding and replaying", list(decision.stages)
-                )
-                await asyncio.gather(
-                    *(self._call_stage(r.peer, k, Abort()) for k in decision.stages for r in reports[k]),
-                    return_exceptions=True,
-                )
-                continue
-            if decision.action == CommitAction.REPAIR:
-                logger.warning(
-                    "commit of step %d: %d microbatch(es) lost with a replica; replaying them",
-                    self.step,
-                    len(decision.repairs),
-                )
-                self.ledger.replay("lost with a replica (repaired at commit)", len(decision.repairs))
-                for repair in decision.repairs:
-                    del self.ledger.losses[repair.mb]
-                    await self._send(
-                        self.ids.index(repair.mb),
-                        replay=True,
-                        prefer=repair.prefer,
-                        needed_by=repair.needed_by,
-                    )
-                continue
-            plans = decision.plans
-            calls = [
-                self._exchange(
-                    r.peer,
-                    k,
-                    Exchange(
-                        fresh=plans[k].fresh[r.peer],
-                        take=plans[k].take[r.peer],
-                        group=tuple(sorted(q.peer for q in rs)),
-                        attempt=attempt,
-                    ),
-                )
-                for k, rs in reports.items()
-                for r in rs
-            ]
-            results = await asyncio.gather(*calls, return_exceptions=True)
-            errors = [e for e in results if isinstance(e, BaseException)]
-            if errors:
-                refused = next((e for e in errors if isinstance(e, RemoteError) and not e.retryable), None)
-                if refused is not None:
-                    raise StepFailedError(f"step {self.step}: a stage refused to commit: {refused}")
-                logger.warning(
-                    "commit of step %d: exchange failed (%s); planning again", self.step, errors[0]
-                )
-                continue
-            sq_norms: dict[int, list[float | None]] = {}
-            for k, sq_norm in zip([k for k, rs in reports.items() for _ in rs], results):
-                sq_norms.setdefault(k, []).append(sq_norm)
-            await self._apply({k: [r.peer for r in rs] for k, rs in reports.items()}, sq_norms)
-            return
-        raise StepFailedError(f"step {self.step} could not be committed after {attempt + 1} rounds")
-
-    async def _exchange(self, peer: str, stage: int, request: Exchange) -> float | None:
-        """One replica's exchange; returns the squared norm of its group's gradient total."""
-        reply = await self._call_stage(peer, stage, request)
-        return Exchanged.from_meta(reply.meta).grad_sq_norm
-
-    async def _apply(
-        self, committed_by: dict[int, list[str]], sq_norms: dict[int, list[float | None]]
-    ) -> None:
-        """Every stage has exchanged: step every replica (a dead one is simply gone).
-
-        `sq_norms`: per stage, its replicas' squared norms of the group total (equal: the
-        replicas hold the same total; the largest counts)."""
-        ctx = self.ctx
-        dropped = len(self.ledger.dropped)
-        scale = len(self.ids) / (len(self.ids) - dropped) if dropped else 1.0
-        per_stage = [None if None in sq else max(sq) for sq in sq_norms.values()]
-        if None not in per_stage:
-            self.grad_norm = scale * math.sqrt(sum(per_stage))
-        elif ctx.optimizer.max_grad_norm > 0:
-            raise StepFailedError(
-                f"step {self.step}: a stage did not report its gradient norm, which clipping needs "
-                "(is every stage peer of this swarmtrain version?)"
-            )
-        clip = clip_coefficient(self.grad_norm or 0.0, ctx.optimizer.max_grad_norm)
-        self.digests = {k: {} for k in committed_by}
-        request = Apply(grad_scale=float(scale * clip), digest=ctx.verify_replicas)
-
-        async def apply(k: int, peer: str) -> None:
-            for attempt in range(3):
-                try:
-                    reply = await self._call_stage(peer, k, request)
-                    applied = Applied.from_meta(reply.meta)
-                except (PeerUnreachableError, BadFrameError) as e:
-                    logger.warning(
-                        "replica %s of stage %d did not apply step %d: %s", peer[-8:], k, self.step, e
-                    )
-                    await asyncio.sleep(0.5 * (attempt + 1))
-                    continue
-                except RemoteError as e:
-                    logger.warning(
-                        "replica %s of stage %d refused to apply step %d: %s", peer[-8:], k, self.step, e
-                    )
-                    return
-                ctx.known_step[peer] = reply.step
-                if applied.digest is not None:
-                    self.digests[k][peer] = applied.digest
-                return
-
-        await asyncio.gather(*(apply(k, p) for k, peers in committed_by.items() for p in peers))
-
-    def _replicas_equal(self) -> tuple[bool | None, dict[int, int]]:
-        """The verdict on the digests (see StepResult.replicas_equal) and how many were compared."""
-        if not self.ctx.verify_replicas:
-            return None, {}
-        compared = {k: len(d) for k, d in self.digests.items()}
-        groups = [set(d.values()) for d in self.digests.values() if len(d) >= 2]
-        if not groups:
-            return None, compared
-        return all(len(g) == 1 for g in groups), compared
-
-    async def run(self) -> StepResult:
-        """Run the step; RunFinishedError if the run's last step was applied already."""
+    async def flow(self) -> None:
+        """Feed every microbatch of this trainer's share; each ends completed or dropped.
+        StepFailedError when one can neither complete nor be dropped."""
         if is_finished(self.step, self.ctx.max_steps):
             raise finished_error(self.ctx.run_id, self.ctx.max_steps)
-        started = time.monotonic()
-        await self._flow()
-        if not self.ledger.losses:
-            raise StepFailedError(f"step {self.step}: every microbatch was dropped: {self.ledger.dropped}")
+        window = asyncio.Semaphore(self.ctx.window)
+
+        async def one(i: int) -> None:
+            async with window:
+                await self._send(i)
+
+        await _all(one(i) for i in range(len(self.microbatches)))
         unaccounted = self.ledger.unaccounted()
         assert not unaccounted, f"microbatches {unaccounted} neither completed nor dropped"
-        await self._commit()
+
+    async def replay(self, repair: Repair) -> None:
+        """Send microbatch `repair.mb` again, steered as the commit asks (a replica died with it)."""
+        self.ledger.replay("lost with a replica (repaired at commit)")
+        self.ledger.losses.pop(repair.mb, None)
+        await self._send(
+            self.ids.index(repair.mb), replay=True, prefer=repair.prefer, needed_by=repair.needed_by
+        )
+
+    def share(self) -> Share:
+        """This trainer's part of the step, as the committer counts it."""
         done = [self.ids.index(mb) for mb in self.ledger.losses]
-        x0 = self.microbatches[0][0]
-        samples = sum(self.microbatches[n][0].shape[0] for n in done)
-        tokens = samples if x0.is_floating_point() else sum(self.microbatches[n][0].numel() for n in done)
-        routes = self.ledger.routes.values()
-        work = {k: dict(Counter(r[k] for r in routes)) for k in range(self.ctx.num_stages)}
-        equal, compared = self._replicas_equal()
-        return StepResult(
-            step=self.step,
-            loss=sum(self.ledger.losses.values()) / len(self.ledger.losses),
+        x0 = self.microbatches[0][0] if self.microbatches else torch.zeros(0)
+        samples = sum(self.microbatches[i][0].shape[0] for i in done)
+        tokens = samples if x0.is_floating_point() else sum(self.microbatches[i][0].numel() for i in done)
+        routes = [self.ledger.routes[mb] for mb in self.ledger.losses]
+        return Share(
+            trainer=self.ctx.trainer_id,
+            issued=tuple(self.ids),
+            losses=dict(self.ledger.losses),
+            dropped=dict(self.ledger.dropped),
             samples=samples,
             tokens=tokens,
-            seconds=time.monotonic() - started,
             replays=sum(self.ledger.replays.values()),
-            dropped=len(self.ledger.dropped),
-            completed=len(self.ledger.losses),
+            work={k: dict(Counter(r[k] for r in routes)) for k in range(self.ctx.num_stages)},
+        )
+
+    # the whole step
+
+    async def run(self) -> StepResult:
+        """Feed and commit the step alone; RunFinishedError if the run's last step was applied
+        already, StepFailedError if the step cannot complete."""
+        await self.flow()
+        try:
+            committed = await StepCommit(self.ctx, self.step, self, SOLO, self.total).run()
+        except Deferred as e:
+            raise StepFailedError(f"step {self.step}: {e}, yet this trainer feeds the run alone") from None
+        return self.result(committed)
+
+    def result(self, committed: Committed) -> StepResult:
+        """This trainer's StepResult of the step `committed` (by it or by another trainer)."""
+        return StepResult(
+            step=self.step,
+            loss=committed.loss,
+            samples=committed.samples,
+            tokens=committed.tokens,
+            seconds=time.monotonic() - self.started,
+            replays=max(committed.replays, sum(self.ledger.replays.values())),
+            dropped=committed.dropped,
+            completed=len(committed.counted),
+            adopted=committed.adopted,
             replay_causes=dict(self.ledger.replays),
-            dropped_causes=dict(Counter(self.ledger.dropped.values())),
-            work=work,
+            dropped_causes=dict(committed.dropped_causes),
+            work=committed.work,
             window=self.ctx.window,
             timeouts=self.timeouts,
-            replicas_equal=equal,
-            replicas_compared=compared,
+            replicas_equal=committed.replicas_equal,
+            replicas_compared=committed.compared,
             lr=lr_at(self.ctx.optimizer, self.step, self.ctx.max_steps),
-            grad_norm=self.grad_norm,
+            grad_norm=committed.grad_norm,
         )
 
 

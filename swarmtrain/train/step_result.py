@@ -11,7 +11,7 @@ class StepResult:
     step: int
     """Optimizer step just applied (0-based)."""
     loss: float
-    """Mean loss over the step's microbatches."""
+    """Mean loss over the step's microbatches (those of every trainer that fed it)."""
     samples: int
     tokens: int
     seconds: float
@@ -21,6 +21,9 @@ class StepResult:
     """Microbatches left out of the step (see dropped_causes)."""
     completed: int = 0
     """Microbatches whose gradients the step applied (each exactly once per stage)."""
+    adopted: int = 0
+    """Of the completed, microbatches of a trainer that left mid-step, which every stage held:
+    counted, their loss unknown (`loss` is the mean of the known ones)."""
     replay_causes: dict = field(default_factory=dict)
     dropped_causes: dict = field(default_factory=dict)
     work: dict = field(default_factory=dict)

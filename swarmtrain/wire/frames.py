@@ -45,18 +45,8 @@ MAX_TENSORS = 1024
 """Enough for a stage's whole state in one frame (kind 'state_data')."""
 MAX_NDIM = 8
 
-FRAME_KINDS = (
-    "forward",
-    "result",
-    "step",
-    "step_done",
-    "ping",
-    "pong",
-    "state",
-    "state_data",
-    "grads",
-    "error",
-)
+FRAME_KINDS = ("forward", "result", "step", "step_done", "ping", "pong", "state", "state_data", "grads")
+FRAME_KINDS += ("report", "outcome", "error")  # trainer to trainer; any reply
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
