@@ -2,6 +2,7 @@
 swarm: exact and compressed, across commits, from a replica that dies, and refused once gone."""
 
 import asyncio
+import dataclasses
 import itertools
 
 import pytest
@@ -21,8 +22,9 @@ from swarmtrain.train.authority import refusal
 from swarmtrain.train.data import TokenBatches, loss_inputs_of, stdlib_text
 from swarmtrain.train.inprocess import InProcessConfig, InProcessSwarm
 from swarmtrain.train.versions import PolicyVersions, VersionsConfig, describe_versions
+from swarmtrain.transport import handler_name
 from swarmtrain.transport.memory import frame_is
-from swarmtrain.wire.frames import MAX_TENSORS
+from swarmtrain.wire.frames import MAX_TENSORS, Frame
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig, RunManifest
 from tests.conftest import TINY_GPT
 
@@ -157,6 +159,7 @@ def test_weights_are_open_unless_the_manifest_lists_readers():
 # over an in-memory swarm
 
 B, T, M = 4, TINY_GPT["seq_len"], 2
+HANDLER = handler_name("versions")
 
 
 def manifest(**kw) -> RunManifest:
@@ -304,3 +307,36 @@ def test_a_replica_that_dies_is_replaced_by_another_of_its_stage():
 
     run(scenario)
     run(fallback)
+
+
+def test_a_malformed_weights_request_is_refused_and_struck_and_an_oversized_one_refused():
+    async def scenario(swarm, source, step):
+        def request(**meta):
+            base = {
+                "version": 0,
+                "codec": "none",
+                "names": ["head.lm_head.weight"],
+                "starts": [0],
+                "ends": [1],
+            }
+            return Frame(kind="weights", run_id="versions", stage=1, meta=base | meta)
+
+        replica = swarm.replicas["s1r0"].service.ctx.transport
+        for meta, why in (
+            ({"starts": [0, 1]}, "1 names, 2 starts"),
+            ({"names": ["nope"]}, "no parameter 'nope'"),
+        ):
+            with pytest.raises(RemoteError, match=why) as refused:
+                await source.transport.call("s1r0", HANDLER, request(**meta), timeout_s=5)
+            assert refused.value.cause == Cause.BAD_FRAME
+        assert replica.strikes("rollout") == 2
+        replica.config = dataclasses.replace(
+            replica.config, max_frame_bytes=1024, max_peer_bytes_in_flight=None
+        )
+        for meta, why in (({"codec": "zip"}, "unknown codec 'zip'"), ({"ends": [256]}, "at most 1024 bytes")):
+            with pytest.raises(RemoteError, match=why) as refused:  # refused, not struck: the asker's limit
+                await source.transport.call("s1r0", HANDLER, request(**meta), timeout_s=5)
+            assert refused.value.cause == Cause.BAD_FRAME
+        assert replica.strikes("rollout") == 2
+
+    run(scenario)
