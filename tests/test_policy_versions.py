@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from swarmtrain.errors import BadFrameError, Cause, ConfigError, RemoteError
+from swarmtrain.model import build_model
 from swarmtrain.model.param_names import model_param_name
 from swarmtrain.rl.weights import (
     FetchConfig,
@@ -222,6 +223,8 @@ def test_versions_fetched_exact_are_the_stages_parameters_at_those_steps_and_old
         v1 = live_params(swarm)
         got, stats = await fetch_version(source, 1)
         assert_equal(got, v1)
+        rollout = build_model("tiny-gpt", TINY_GPT, device="cpu")  # a whole copy loads it as it is
+        rollout.load_state_dict(got, strict=True)
         assert stats.version == 1 and stats.wire_bytes == stats.raw_bytes == sum(
             t.nbytes for t in v1.values()
         )

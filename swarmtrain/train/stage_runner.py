@@ -20,6 +20,9 @@ The contract with the peer shell around it:
   nothing) and adds the held copies named in `take`; `apply_step(step, total)` writes the
   replicas' summed gradients (or keeps the local ones) and steps the optimizer, refusing a
   step whose gradients or result would not be finite and leaving the replica as it was.
+- Policy versions: `step` is also the parameters' version; once someone asked for weights,
+  `apply_step` first copies the outgoing version into `versions` (`train.versions`), and
+  `import_state` and `relabel` forget what it held.
 All methods run on the caller's thread; the shell calls them from one worker thread.
 """
 
