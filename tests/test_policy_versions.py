@@ -203,10 +203,11 @@ def assert_equal(fetched, expected):
         assert torch.equal(fetched[name], t), name
 
 
-def run(scenario, replicas=(1, 2)):
+def run(scenario, replicas=(1, 2), **manifest_fields):
     async def main():
         data = iter(TokenBatches(stdlib_text(2**18), seq_len=T, microbatch_size=B, seed=0))
-        async with InProcessSwarm(InProcessConfig(manifest=manifest(), replicas=replicas)) as swarm:
+        config = InProcessConfig(manifest=manifest(**manifest_fields), replicas=replicas)
+        async with InProcessSwarm(config) as swarm:
 
             async def step():
                 await swarm.step([loss_inputs_of(b) for b in itertools.islice(data, M)])
@@ -343,3 +344,15 @@ def test_a_malformed_weights_request_is_refused_and_struck_and_an_oversized_one_
         assert replica.strikes("rollout") == 2
 
     run(scenario)
+
+
+def test_a_run_that_lists_its_weight_readers_refuses_anyone_else():
+    async def scenario(swarm, source, step):
+        with pytest.raises(RemoteError, match="not among the weight readers") as refused:
+            await fetch_version(source, 0)
+        assert refused.value.cause == Cause.UNAUTHORIZED
+        as_trainer = dataclasses.replace(source, transport=swarm.trainer)
+        got, _ = await fetch_version(as_trainer, 0)
+        assert_equal(got, live_params(swarm))
+
+    run(scenario, weight_readers=())
