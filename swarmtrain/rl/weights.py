@@ -213,6 +213,9 @@ async def _fetch_stage(
     shapes = {name: (shape, dtype) for name, shape, dtype in specs}
     limit = min(config.max_request_bytes, source.transport.config.max_frame_bytes)
     out = _StageFetch()
+    for name, shape, dtype in specs:  # nothing to ask for: a parameter with no rows
+        if len(shape) and shape[0] == 0:
+            out.tensors[name] = [torch.empty(shape, dtype=dtype)]
     for pieces in plan_requests(specs, limit):
         request = Frame(
             kind="weights",
@@ -270,16 +273,17 @@ async def fetch_version(
     and what fetching it cost (see the module docstring).
 
     Raises RemoteError: VERSION_GONE when every replica asked of some stage no longer holds it,
-    WRONG_STEP when none has reached it yet, UNREACHABLE (or UNAUTHORIZED) when no replica of a
-    stage gave it; ConfigError when some stage has no serving replica at all.
+    WRONG_STEP when none has reached it yet, UNREACHABLE when some stage has no serving replica
+    or none of them gave it (UNAUTHORIZED when they refused the caller).
     """
     config = config or FetchConfig()
     specs = source.param_specs()
     by_stage = await source.replicas()
     missing = [k for k in range(source.manifest.num_stages) if not by_stage.get(k)]
     if missing:
-        raise ConfigError(
-            f"no replica serves stage(s) {', '.join(map(str, missing))} of run {source.manifest.run_id!r}"
+        raise RemoteError(
+            f"no replica serves stage(s) {', '.join(map(str, missing))} of run {source.manifest.run_id!r}",
+            cause=Cause.UNREACHABLE,
         )
     t0 = time.perf_counter()
     results = await asyncio.gather(
