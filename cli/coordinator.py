@@ -172,6 +172,16 @@ def coordinator(
             show_default="this machine's default trainer identity",
         ),
     ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
+    weight_reader: Annotated[
+        list[str],
+        typer.Option(
+            "--weight-reader",
+            help="Peer id that may fetch the run's weights by policy version (a rollout peer); repeat "
+            "for several. Given once or more, no one else may besides the run's trainers and stage "
+            "peers; by default anyone who reaches the swarm may.",
+            show_default="anyone",
+        ),
+    ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
     any_trainer: Annotated[
         bool,
         typer.Option(
@@ -248,7 +258,7 @@ def coordinator(
     from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
 
     def main() -> None:
-        from swarmtrain.cli.options import check_run_owner_flag
+        from swarmtrain.cli.options import check_peer_id_flag, check_run_owner_flag
         from swarmtrain.errors import ConfigError
 
         if init_from is not None and resume is not None:
@@ -268,6 +278,7 @@ def coordinator(
         config = CoordinatorConfig(
             node=NodeConfig(host=host, port=listen_port, initial_peers=tuple(initial_peers), **trust),
             trainers=tuple(trainers),
+            weight_readers=tuple(check_peer_id_flag("--weight-reader", r) for r in weight_reader) or None,
             run_id=run_id,
             model=model,
             model_config=parse_model_config(model_config),
@@ -327,6 +338,10 @@ def coordinator(
                     f"owner:        {coord.node.owner_of(m.run_id)} (this coordinator: {coord.node.peer_id})"
                 )
             typer.echo(f"trainers:     {', '.join(m.trainers) or 'anyone (--any-trainer)'}")
+            if m.weight_readers is not None:
+                typer.echo(
+                    f"weights for:  {', '.join(m.weight_readers) or 'its trainers and stage peers only'}"
+                )
             if coord.node.swarm_key is not None:
                 typer.echo(f"private swarm, key {coord.node.swarm_key.fingerprint} ({swarm_key})")
             key_flag = "" if swarm_key is None else f" --swarm-key {swarm_key}"

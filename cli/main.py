@@ -129,6 +129,15 @@ def join(
     checkpoint_keep: Annotated[
         int, typer.Option(min=1, help="Checkpoints of its stage this peer keeps (the newest).")
     ] = 2,
+    keep_versions: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=16,
+            help="Policy versions of its parameters this peer serves to rollout peers: the current one "
+            "and those before it (kept in memory, once a rollout peer asked).",
+        ),
+    ] = 2,
     inject_fault: Annotated[
         str | None,
         typer.Option(
@@ -151,6 +160,7 @@ def join(
     from swarmtrain.peers.probe import parse_bytes, resolve_device
     from swarmtrain.peers.stage import StageConfig, StagePeer
     from swarmtrain.swarm import NodeConfig
+    from swarmtrain.train.versions import VersionsConfig
     from swarmtrain.transport import TransportConfig
 
     def main() -> None:
@@ -179,6 +189,7 @@ def join(
             fault=inject_fault,
             checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
             checkpoint_keep=checkpoint_keep,
+            versions=VersionsConfig(keep_versions=keep_versions),
             models=ModelSources(allow=tuple(allow_model or ())),
         )
         peer = StagePeer(config)

@@ -192,6 +192,18 @@ SwarmKeyPath = Annotated[
 ]
 
 
+def check_peer_id_flag(flag: str, peer: str) -> str:
+    """`peer` if it is a peer id, else ConfigError naming `flag`."""
+    from swarmtrain.wire.records import PEER_ID_PATTERN
+
+    if not PEER_ID_PATTERN.match(peer):
+        raise ConfigError(
+            f"{flag} {peer!r} is not a peer id (base58, like Qm... or 12D3KooW...): "
+            "`swarmtrain whoami` on that peer's machine prints it"
+        )
+    return peer
+
+
 def check_run_owner_flag(owner: str | None) -> str | None:
     if owner is None:
         return None

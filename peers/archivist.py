@@ -21,12 +21,13 @@ import shutil
 import threading
 from pathlib import Path
 
-from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
-from swarmtrain.peers.export import stage_param_names
+from swarmtrain.errors import BadFrameError, Cause, RemoteError
+from swarmtrain.model.param_names import stage_param_names
 from swarmtrain.swarm import SwarmNode
 from swarmtrain.train.archive import RUN_FORMAT, stage_init_state, write_model_dir
 from swarmtrain.train.checkpoint import to_files
 from swarmtrain.transport import TensorTransport, handler_name
+from swarmtrain.transport.in_turn import ask_in_turn
 from swarmtrain.wire.frames import Frame, error_frame
 from swarmtrain.wire.messages import StateRequest
 from swarmtrain.wire.records import MAX_CHECKPOINTS_LISTED, RunManifest
@@ -125,18 +126,14 @@ class Archivist:
             stage=stage,
             meta=StateRequest(checkpoint=step).to_meta(),
         )
-        errors = []
-        for peer in peers:
-            try:
-                reply = await self.transport.call(
-                    peer, handler_name(self.manifest.run_id), request, timeout_s=FETCH_TIMEOUT_S
-                )
-                return reply.tensors
-            except (RemoteError, PeerUnreachableError, BadFrameError) as e:
-                errors.append(f"{peer[-8:]}: {e}")
-        raise RemoteError(
-            f"no replica of stage {stage} gave its checkpoint of step {step}: {'; '.join(errors)}"
+        answer = await ask_in_turn(
+            self.transport, peers, handler_name(self.manifest.run_id), request, timeout_s=FETCH_TIMEOUT_S
         )
+        if not answer.answered:
+            raise RemoteError(
+                f"no replica of stage {stage} gave its checkpoint of step {step}: {answer.reasons()}"
+            )
+        return answer.value.tensors
 
     # serving
 

@@ -82,6 +82,9 @@ class CoordinatorConfig:
     trainers: tuple[str, ...] = ()
     """Peer ids of the trainers this run authorizes (the manifest lists them; stage peers take
     microbatches and commit phases from no one else)."""
+    weight_readers: tuple[str, ...] | None = None
+    """Peer ids that may fetch the run's weights by policy version besides its trainers and
+    members (the manifest's `weight_readers`); None: anyone who reaches the swarm."""
     checkpoint_every: int = 100
     """Stage replicas checkpoint their stage every this many steps (0: never)."""
     allow_reinit: bool = False
@@ -131,6 +134,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         compression=config.compression,
         loss=config.loss,
         trainers=tuple(config.trainers),
+        weight_readers=config.weight_readers,
         checkpoint_every=config.checkpoint_every,
         instance=secrets.token_hex(6),
         allow_reinit=config.allow_reinit,
@@ -149,7 +153,9 @@ def _manifest_from(config: CoordinatorConfig) -> RunManifest:
                 f"{where} is an exported model, not a run checkpoint: start a run from it with --init-from, "
                 "or write a resumable one with `swarmtrain export --resumable`"
             )
-        manifest = RunManifest.from_dict(meta["manifest"] | {"trainers": list(config.trainers)})
+        manifest = RunManifest.from_dict(
+            meta["manifest"] | {"trainers": list(config.trainers), "weight_readers": config.weight_readers}
+        )
         # a new timeline: checkpoints the stopped run wrote after this one are not its own
         return dataclasses.replace(manifest, init_from=where, resume=True, instance=secrets.token_hex(6))
     model, options = meta["model"], meta["model_config"]

@@ -22,12 +22,12 @@ from pathlib import Path
 
 from torch import nn
 
-from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError, SwarmError
+from swarmtrain.errors import SwarmError
 from swarmtrain.model import ModelSources, build_model
 from swarmtrain.model.hf import BUILDER as HF_BUILDER
 from swarmtrain.model.hf import save_native
+from swarmtrain.model.param_names import model_param_name, stage_param_names
 from swarmtrain.model.registry import NO_IMPORTS
-from swarmtrain.model.swarm_model import EMBED_KEY, HEAD_KEY, block_key
 from swarmtrain.swarm import NodeConfig, SwarmNode, stage_replicas
 from swarmtrain.train.archive import (
     EXPORT_FORMAT,
@@ -39,6 +39,7 @@ from swarmtrain.train.archive import (
 )
 from swarmtrain.train.checkpoint import to_files
 from swarmtrain.transport import TensorTransport, handler_name
+from swarmtrain.transport.in_turn import ask_in_turn
 from swarmtrain.wire.frames import Frame
 
 logger = logging.getLogger(__name__)
@@ -71,16 +72,14 @@ async def _fetch_all(node: SwarmNode, manifest, timeout_s: float) -> tuple[int, 
             continue
 
         async def fetch(stage: int, records: list) -> Frame:
-            errors = []
-            for record in records:
-                frame = Frame(kind="state", run_id=manifest.run_id, stage=stage)
-                try:
-                    return await transport.call(
-                        record.peer_id, handler_name(manifest.run_id), frame, timeout_s=STATE_TIMEOUT_S
-                    )
-                except (RemoteError, PeerUnreachableError, BadFrameError) as e:
-                    errors.append(f"{record.peer_id[-8:]}: {e}")
-            raise SwarmError(f"no replica of stage {stage} gave its parameters ({'; '.join(errors)})")
+            frame = Frame(kind="state", run_id=manifest.run_id, stage=stage)
+            peers = [r.peer_id for r in records]
+            answer = await ask_in_turn(
+                transport, peers, handler_name(manifest.run_id), frame, timeout_s=STATE_TIMEOUT_S
+            )
+            if not answer.answered:
+                raise SwarmError(f"no replica of stage {stage} gave its parameters ({answer.reasons()})")
+            return answer.value
 
         try:
             replies = await asyncio.gather(*(fetch(k, by_stage[k]) for k in range(manifest.num_stages)))
@@ -94,18 +93,6 @@ async def _fetch_all(node: SwarmNode, manifest, timeout_s: float) -> tuple[int, 
         last = f"the stages answered at different steps {sorted(steps)} (a step was being applied)"
         await asyncio.sleep(0.2)
     raise SwarmError(f"could not export run {manifest.run_id!r} within {timeout_s:.0f} s: {last}")
-
-
-def stage_param_names(manifest, stage: int, sources: ModelSources = NO_IMPORTS) -> list[str]:
-    """The swarm names of `stage`'s trained parameters in the order its replicas hold them
-    (`StageRunner.named_params`), from the model built on the meta device."""
-    model = build_model(manifest.model, manifest.model_config, device="meta", sources=sources)
-    start, end = manifest.stage_span(stage)
-    parts = [(EMBED_KEY, model.embed)] if start == 0 else []
-    parts += [(block_key(i), model.blocks[i]) for i in range(start, end)]
-    if end == model.num_blocks:
-        parts.append((HEAD_KEY, model.head))
-    return [f"{key}.{name}" for key, part in parts for name, p in part.named_parameters() if p.requires_grad]
 
 
 def export_model(
@@ -148,11 +135,6 @@ def export_model(
     return Exported(out=where, step=step, num_params=sum(t.numel() for t in params.values()), native=native)
 
 
-def _model_name(swarm_name: str) -> str:
-    """'block.3.attn.w' -> 'blocks.3.attn.w' (the whole SwarmModel's own parameter name)."""
-    return "blocks." + swarm_name.removeprefix("block.") if swarm_name.startswith("block.") else swarm_name
-
-
 def load_exported(where: Path | str, *, sources: ModelSources = NO_IMPORTS) -> nn.Module:
     """The model of an exported directory (or a run checkpoint), built in this process on the CPU
     with the exported parameters (ConfigError if they do not fit the builder's model)."""
@@ -161,7 +143,7 @@ def load_exported(where: Path | str, *, sources: ModelSources = NO_IMPORTS) -> n
     names = {}
     for key, part in model.parts():
         for name, _ in part.named_parameters():
-            names[f"{key}.{name}"] = _model_name(f"{key}.{name}")
+            names[f"{key}.{name}"] = model_param_name(f"{key}.{name}")
     tensors = read_tensors(where, names, file=MODEL_FILE)
     model.load_state_dict({names[k]: v for k, v in tensors.items()}, strict=False)
     return model.eval()

@@ -211,6 +211,7 @@ class StagePeer:
             manifest.optimizer,
             microbatch_size=manifest.batch.microbatch_size,
             max_steps=manifest.max_steps,
+            versions=self.config.versions,
         )
         state_bytes, act_bytes = self._memory[stage]
         free = float(self.capacity.get("memory_bytes", 2**34)) - state_bytes
@@ -244,6 +245,7 @@ class StagePeer:
                     stage_of=lambda peer: self._members.get(peer),
                     refresh=self.refresh_replicas,
                     owner=lambda: self.node.owner_of(manifest.run_id),
+                    weight_readers=lambda: manifest.weight_readers,
                 ),
                 is_draining=lambda: self.state != "serving",
                 on_behind=self.resync_soon,

@@ -9,6 +9,7 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.model import ModelSources
 from swarmtrain.peers.faults import FaultInjector
 from swarmtrain.swarm import NodeConfig
+from swarmtrain.train.versions import VersionsConfig
 from swarmtrain.transport import TransportConfig
 
 
@@ -55,6 +56,8 @@ class StageConfig:
     """Test hook, 'ACTION:KIND:N': SIGKILL ('kill') or SIGTERM ('term') this peer as its N-th
     'forward' / 'backward' / 'loss' task starts (see peers/faults.py)."""
     transport: TransportConfig = field(default_factory=TransportConfig)
+    versions: VersionsConfig = field(default_factory=VersionsConfig)
+    """Policy versions of its parameters the peer keeps for rollout peers (`--keep-versions`)."""
     models: ModelSources = field(default_factory=ModelSources)
     """Import paths of builders this peer lets a run's manifest name (--allow-model); registered
     names and installed entry points need none."""

@@ -47,6 +47,9 @@ class Cause(StrEnum):
     """The peer bans the caller after repeated bad frames."""
     CLAIMED = "claimed"
     """Another trainer holds the commit of this step (`swarmtrain.train.commit` claims)."""
+    VERSION_GONE = "version_gone"
+    """The peer no longer holds the policy version asked for (it keeps only the newest few:
+    `swarmtrain.train.versions`); a replica further behind may, else ask for a newer one."""
     UNAUTHORIZED = "unauthorized"
     """The run does not authorize the caller to do this (not its trainer, not a replica of
     the stage, not the microbatch's owner, or no proof of the private swarm's key)."""

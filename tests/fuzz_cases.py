@@ -389,7 +389,7 @@ def exchanges_with_bad_fields(draw) -> Attempt:
 @st.composite
 def misaddressed_requests(draw) -> Attempt:
     """Any kind, to a stage that does not exist, or for another run."""
-    kind = draw(st.sampled_from(["forward", "step", "grads", "state", "ping"]))
+    kind = draw(st.sampled_from(["forward", "step", "grads", "state", "weights", "ping"]))
     if draw(st.booleans()):
         run_id, stage = RUN, draw(st.one_of(st.integers(NUM_STAGES, 2**62), st.integers(-(2**62), -1)))
     else:
@@ -403,7 +403,9 @@ def misaddressed_requests(draw) -> Attempt:
 
 @st.composite
 def replies_sent_as_requests(draw) -> Attempt:
-    kind = draw(st.sampled_from(["result", "step_done", "pong", "state_data", "error", "ping"]))
+    kind = draw(
+        st.sampled_from(["result", "step_done", "pong", "state_data", "weights_data", "error", "ping"])
+    )
     stage = draw(stages)
     meta = draw(
         st.dictionaries(st.text(max_size=8), st.one_of(scalars, st.lists(scalars, max_size=3)), max_size=4)

@@ -12,5 +12,6 @@ Beside them: `stage_runner` (a stage's compute and optimizer state, no networkin
 `bounds` (running norm bounds that refuse finite but absurd tensors),
 `averaging` (exact gradient sums among replicas), `placement` (stage choice at join and
 rebalancing, from the planner), `data`, `optim`, `reference` (single-process training, the
-parity baseline) and `inprocess` (a whole swarm in one process over an in-memory network).
+parity baseline), `inprocess` (a whole swarm in one process over an in-memory network), and
+`versions` with `policy_serving` (a replica's parameters by policy version, for rollout peers).
 """

@@ -10,6 +10,12 @@ Requests a replica of stage k serves, and whom from (`refusal`, the pure rule):
   of that group.
 - 'state' (all parameters and optimizer state): a member of stage k (joining or serving),
   or an authorized trainer (it checks what it trained).
+- 'weights' (the parameters at a policy version, for rollout peers): anyone, unless the
+  manifest lists its weight readers (`RunManifest.weight_readers`); then those, a member of
+  stage k, an authorized trainer or the owner. Open by default because a run's weights are
+  no secret from whoever reaches its swarm (anyone may join an open swarm as a replica, any
+  key holder a private one), and rollout peers come and go too often for the owner to sign a
+  manifest for each.
 A run whose manifest lists no trainers is open: every peer counts as an authorized trainer,
 and only the membership rules hold.
 
@@ -80,12 +86,14 @@ def refusal(
     stage_of: Callable[[str], int | None],
     group: Collection[str] | None = None,
     owner: str | None = None,
+    weight_readers: Collection[str] | None = None,
 ) -> Refusal | None:
     """Whether a replica of `stage` refuses a `kind` request from `caller` (see the module
     docstring); None: it may serve it. `trainers` is the run's authorized trainers (None: an
     open run), `stage_of(peer)` the stage a peer is a member of (None: not a member), `group`
     the exchange group a 'grads' request must come from, None while no exchange named one,
-    `owner` the run's owner (who may read any stage's state, to archive it)."""
+    `owner` the run's owner (who may read any stage's state, to archive it), `weight_readers`
+    the peers the run lets fetch its weights (None: anyone)."""
     who = f"peer {_short(caller)}"
 
     def authorized(peer: str) -> bool:
@@ -129,6 +137,19 @@ def refusal(
             "only they may download its state",
             membership=True,
         )
+    if (
+        kind == "weights"
+        and weight_readers is not None
+        and caller not in weight_readers
+        and stage_of(caller) != stage
+        and not authorized(caller)
+        and caller != owner
+    ):
+        return Refusal(
+            f"{who} is not among the weight readers this run's owner lists, nor a member of stage "
+            f"{stage} or an authorized trainer: only they may fetch its weights",
+            membership=True,
+        )
     return None
 
 
@@ -144,6 +165,8 @@ class RunAuthority:
     """Read the run's membership again (what `stage_of` answers from)."""
     owner: Callable[[], str | None] = lambda: None
     """The run's owner: it may read any stage's state (the archivist)."""
+    weight_readers: Callable[[], Collection[str] | None] = lambda: None
+    """The peers the run lets fetch its weights by version; None: anyone (`RunManifest.weight_readers`)."""
     refresh_interval_s: float = REFRESH_INTERVAL_S
     """Least time between two refreshes on behalf of refused requests."""
     clock: Callable[[], float] = time.monotonic
@@ -169,6 +192,7 @@ class RunAuthority:
             stage_of=self.stage_of,
             group=group,
             owner=self.owner(),
+            weight_readers=self.weight_readers(),
         )
 
     async def check(

@@ -150,6 +150,7 @@ class InProcessSwarm:
                 trainers=lambda: frozenset(self.trainer_names),
                 stage_of=lambda peer: self.members.get(peer),
                 refresh=self.refresh_members,
+                weight_readers=lambda: m.weight_readers,
             ),
         )
         service = StageService(ctx)

@@ -5,7 +5,9 @@
 - 'forward' -> 'result' (`serving.ForwardServer`), refused while the replica drains;
 - 'step' -> 'step_done' (`commit.CommitParticipant`), 'grads' -> 'result' (the exchange);
 - 'state' -> 'state_data': parameters and optimizer state, for a joining or lagging replica
-  (`take_state` is the other side).
+  (`take_state` is the other side);
+- 'weights' -> 'weights_data': parameters at a policy version, for rollout peers
+  (`policy_serving`; `swarmtrain.rl.weights` is the other side).
 Before any of that (but 'ping'), the caller must be one the run authorizes for the request
 (`authority`: its trainers, the replicas of this stage or of the one before): anyone else is
 refused as UNAUTHORIZED, struck, and leaves no trace. A frame for another run or a stage that
@@ -23,9 +25,19 @@ from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, Remote
 from swarmtrain.train.authority import Refusal
 from swarmtrain.train.commit import CommitParticipant
 from swarmtrain.train.context import StageContext
+from swarmtrain.train.policy_serving import serve_weights
 from swarmtrain.train.serving import ForwardServer, ServeCounters
+from swarmtrain.transport.in_turn import ask_in_turn
 from swarmtrain.wire.frames import Frame, error_frame
-from swarmtrain.wire.messages import CommitRequest, GradsMeta, PongMeta, Readiness, Rollback, StateRequest
+from swarmtrain.wire.messages import (
+    CommitRequest,
+    GradsMeta,
+    PongMeta,
+    Readiness,
+    Rollback,
+    StateRequest,
+    WeightsRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +100,8 @@ class StageService:
                 return await self.commit.on_grads(frame, caller)
             if frame.kind == "state":
                 return await self._state(StateRequest.from_meta(frame.meta).checkpoint)
+            if frame.kind == "weights":
+                return await serve_weights(ctx, WeightsRequest.from_meta(frame.meta))
         except BadFrameError as e:
             ctx.transport.strike(caller, str(e))
             message = f"stage {ctx.stage} rejected {_what(frame)}: {e}"
@@ -131,17 +145,20 @@ class StageService:
         returns the step taken, None if none did."""
         ctx = self.ctx
         meta = StateRequest(checkpoint=checkpoint).to_meta()
-        for peer in replicas:
-            request = Frame(kind="state", run_id=ctx.run_id, stage=ctx.stage, meta=meta)
-            try:
-                reply = await ctx.transport.call(peer, ctx.handler, request, timeout_s=STATE_TIMEOUT_S)
-                await self.install_state(reply.tensors, reply.step)
-            except (RemoteError, PeerUnreachableError, BadFrameError) as e:
-                logger.warning("could not take state from peer %s: %s", peer[-8:], e)
-                continue
-            logger.info("took the state of step %d from peer %s", reply.step, peer[-8:])
+        request = Frame(kind="state", run_id=ctx.run_id, stage=ctx.stage, meta=meta)
+
+        async def install(_peer: str, reply: Frame) -> int:  # BadFrameError: it does not fit
+            await self.install_state(reply.tensors, reply.step)
             return reply.step
-        return None
+
+        answer = await ask_in_turn(
+            ctx.transport, replicas, ctx.handler, request, timeout_s=STATE_TIMEOUT_S, take=install
+        )
+        for peer, e in answer.failures:
+            logger.warning("could not take state from peer %s: %s", peer[-8:], e)
+        if answer.answered:
+            logger.info("took the state of step %d from peer %s", answer.value, answer.peer[-8:])
+        return answer.value
 
     async def _rollback(self, step: int, request: Rollback) -> Frame:
         """Take checkpoint `request.checkpoint` (unless this replica is at that step) and go on

@@ -20,6 +20,9 @@ The contract with the peer shell around it:
   nothing) and adds the held copies named in `take`; `apply_step(step, total)` writes the
   replicas' summed gradients (or keeps the local ones) and steps the optimizer, refusing a
   step whose gradients or result would not be finite and leaving the replica as it was.
+- Policy versions: `step` is also the parameters' version; once someone asked for weights,
+  `apply_step` first copies the outgoing version into `versions` (`train.versions`), and
+  `import_state` and `relabel` forget what it held.
 All methods run on the caller's thread; the shell calls them from one worker thread.
 """
 
@@ -38,6 +41,7 @@ from swarmtrain.model import StageModule
 from swarmtrain.model.losses import name_mismatch
 from swarmtrain.train.bounds import SQUARE_SAFE, BoundsConfig, StageBounds, tensor_norm
 from swarmtrain.train.optim import StepGuard, lr_at, make_optimizer, set_lr
+from swarmtrain.train.versions import PolicyVersions, VersionsConfig
 from swarmtrain.wire.frames import all_finite
 from swarmtrain.wire.records import OptimizerConfig
 
@@ -74,9 +78,11 @@ class StageRunner:
         microbatch_size: int,
         bounds: BoundsConfig | None = None,
         max_steps: int = 0,
+        versions: VersionsConfig | None = None,
     ):
         """`max_steps`: the run's step count, which the learning-rate schedule decays over
-        (`optim.lr_at`; 0: the run has none, and the schedule must not need one)."""
+        (`optim.lr_at`; 0: the run has none, and the schedule must not need one); `versions`:
+        how many policy versions of the parameters to keep for weights requests."""
         self.module = module
         self.device = next(module.parameters()).device
         self.named_params = {
@@ -104,6 +110,9 @@ class StageRunner:
         self.bounds = StageBounds(bounds)
         """Running norm bounds of the tensors this replica takes in and computes."""
         self.step = 0
+        """The optimizer step this replica is at, which is also its policy version (`versions`)."""
+        self.versions = PolicyVersions(versions)
+        """The parameters by policy version: snapshots taken at commits once someone asks."""
         self.steps_applied = 0
         self._pending: dict[str, tuple[Tensor, Tensor]] = {}
         self._committed: set[str] = set()
@@ -320,6 +329,7 @@ class StageRunner:
                 for p in self.params:
                     p.grad.mul_(grad_scale)
         set_lr(self.optimizer, lr_at(self.optimizer_config, step, self.max_steps))
+        self.versions.before_apply(step, self.named_params)
         refused = self._guard.step()
         if refused is not None:
             raise RemoteError(
@@ -345,6 +355,7 @@ class StageRunner:
     def relabel(self, step: int) -> None:
         """Go on from the state held as step `step` (a run-wide rollback: `swarmtrain.train.rollback`)."""
         self.discard_step()
+        self.versions.reset()
         self.from_seed = False
         self.step = step
 
@@ -390,5 +401,6 @@ class StageRunner:
                 p = self.params[int(index)]
                 self.optimizer.state[p][name] = value.to(p.device).clone()
         self.discard_step()
+        self.versions.reset()
         self.from_seed = False
         self.step = step

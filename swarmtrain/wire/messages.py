@@ -15,6 +15,8 @@ the protocol code after it works on typed values and never parses strings.
 | report              | StepReport (`team_messages`)        | trainer -> trainer     |
 | outcome             | StepOutcome (`team_messages`)       | reply to report        |
 | grads               | GradsMeta                           | replica -> replica     |
+| weights             | WeightsRequest                      | any peer -> stage      |
+| weights_data        | (none: tensors '0'..'N-1')          | reply to weights       |
 | pong                | PongMeta                            | reply to ping          |
 | error               | see `frames.error_frame` (cause)    | any reply              |
 """
@@ -40,6 +42,7 @@ from swarmtrain.wire.commit_messages import (
     Status,
     StepStatus,
 )
+from swarmtrain.wire.frames import MAX_TENSORS
 from swarmtrain.wire.meta import (
     MAX_META_LIST,
     MAX_PEER_ID_CHARS,
@@ -165,6 +168,49 @@ class StateRequest(Message):
     checkpoint: int | None = None
 
 
+MAX_PARAM_NAME_CHARS = 256
+"""Longest parameter name a weights request may name."""
+MAX_CODEC_NAME_CHARS = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsRequest(Message):
+    """A request for some of a stage's parameters at one policy version
+    (`swarmtrain.train.versions`): each piece is parameter `names[i]`, rows (dim 0)
+    `starts[i]` to `ends[i]` (exclusive; a 0-d parameter is one row), sent with `codec`. The
+    reply ('weights_data', its step the version) holds piece i as tensor 'i'."""
+
+    WHAT = "weights request"
+    FIELDS = {
+        "version": _int(),
+        "codec": _str(MAX_CODEC_NAME_CHARS),
+        "names": _strs(MAX_PARAM_NAME_CHARS),
+        "starts": _ints(),
+        "ends": _ints(1),
+    }
+    version: int
+    """The policy version: the parameters after the run applied steps 0..version-1."""
+    codec: str = "none"
+    """How the pieces travel: 'none' (exact) or a registered codec ('bf16', 'int8', ...)."""
+    names: tuple[str, ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+
+    def __post_init__(self):
+        n = len(self.names)
+        if not 0 < n <= MAX_TENSORS or len(self.starts) != n or len(self.ends) != n:
+            raise BadFrameError(
+                f"weights request must name 1..{MAX_TENSORS} pieces with a start and an end each, got "
+                f"{n} names, {len(self.starts)} starts, {len(self.ends)} ends"
+            )
+        if any(s >= e for s, e in zip(self.starts, self.ends)):
+            raise BadFrameError("weights request pieces must each start before they end")
+
+    def pieces(self) -> list[tuple[str, int, int]]:
+        """(parameter name, first row, row past the last) of every piece, in order."""
+        return list(zip(self.names, self.starts, self.ends))
+
+
 @dataclass(frozen=True, kw_only=True)
 class GradsMeta(Message):
     """A replica's gradient sum for its group, tensors named '0'..'N-1' in parameter order."""
@@ -214,4 +260,5 @@ __all__ = [
     "StateRequest",
     "Status",
     "StepStatus",
+    "WeightsRequest",
 ]

@@ -21,8 +21,9 @@ from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the record
     _from_dict,
 )
 
-WIRE_VERSION = 7
-"""7: checkpoints (the run's cadence, the steps a peer holds, the 'lost' state).
+WIRE_VERSION = 8
+"""8: policy versions ('weights' requests, the cause 'version_gone'), the run's weight readers.
+7: checkpoints (the run's cadence, the steps a peer holds, the 'lost' state).
 6: signed records, the run's authorized trainers, the private swarm's stream challenge.
 5: typed protocol meta (lists as lists), error causes, named loss inputs, the run's loss."""
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -39,6 +40,8 @@ PEER_ID_PATTERN = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
 """A libp2p peer id as libp2p prints it: base58btc, e.g. 12D3KooW... or Qm..."""
 MAX_TRAINERS = 64
 """Trainers a manifest may authorize."""
+MAX_WEIGHT_READERS = 256
+"""Peers a manifest may list as weight readers."""
 MAX_BANNED_LISTED = 16
 """Banned peers a peer record lists at most (a record stays small whatever a peer sees)."""
 MAX_CHECKPOINTS_LISTED = 16
@@ -122,6 +125,11 @@ class RunManifest:
     trainers: tuple[str, ...] = ()
     """Peer ids of the trainers the run's owner authorizes to drive it: only they may send a
     stage its microbatches (under their own ids) and its commit phases."""
+    weight_readers: tuple[str, ...] | None = None
+    """Who may fetch a stage's parameters by policy version ('weights' requests, for rollout
+    peers), besides the run's trainers, its owner and the stage's own members: None, any peer
+    that reaches the swarm (an open run's weights are no secret: anyone may join as a replica
+    and read them); a tuple, only the peer ids it lists (empty: nobody else)."""
     checkpoint_every: int = 100
     """Every stage replica checkpoints its stage when it has applied a multiple of this many
     steps (all stages at the same steps, so they can be put together); 0: never."""
@@ -176,6 +184,18 @@ class RunManifest:
                 f"manifest: trainers must list at most {MAX_TRAINERS} peer ids, got {trainers!r}"
             )
         object.__setattr__(self, "trainers", tuple(trainers))
+        readers = self.weight_readers
+        if readers is not None:
+            if (
+                not isinstance(readers, list | tuple)
+                or len(readers) > MAX_WEIGHT_READERS
+                or not all(isinstance(r, str) and PEER_ID_PATTERN.match(r) for r in readers)
+            ):
+                raise ConfigError(
+                    f"manifest: weight_readers must be null (anyone) or list at most {MAX_WEIGHT_READERS} "
+                    f"peer ids, got {readers!r:.200}"
+                )
+            object.__setattr__(self, "weight_readers", tuple(readers))
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("manifest: model must be a builder name or an import path")
         if self.loss is not None:
@@ -256,6 +276,7 @@ class RunManifest:
             "compression": self.compression.to_dict(),
             "loss": self.loss,
             "trainers": list(self.trainers),
+            "weight_readers": None if self.weight_readers is None else list(self.weight_readers),
             "checkpoint_every": self.checkpoint_every,
             "allow_reinit": self.allow_reinit,
             "restore_lost_stage_only": self.restore_lost_stage_only,
