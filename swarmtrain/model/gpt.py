@@ -50,6 +50,10 @@ class GPTConfig:
         object.__setattr__(self, "dropout", float(self.dropout))
 
 
+KV = tuple[Tensor, Tensor]
+"""One block's cached keys and values, each (B, H, S, D)."""
+
+
 class ResidualProjection(nn.Linear):
     """A Linear that writes into the residual stream; nanoGPT scales its init by 1/sqrt(2 n_layer)."""
 
@@ -69,6 +73,13 @@ class GPTEmbed(nn.Module):
             raise ValueError(f"tiny-gpt: {idx.size(1)} tokens is longer than seq_len={self.seq_len}")
         B, T = idx.shape
         pos = torch.arange(T, device=idx.device)  # (T,)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+    def forward_at(self, idx: Tensor, pos: Tensor) -> Tensor:
+        """Token ids (B, T) at positions `pos` (B, T) -> embeddings (B, T, C): for incremental
+        decoding, where a step's tokens sit at each row's own position."""
+        if int(pos.max()) >= self.seq_len:
+            raise ValueError(f"tiny-gpt: position {int(pos.max())} is beyond seq_len={self.seq_len}")
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
 
 
@@ -94,6 +105,28 @@ class CausalSelfAttention(nn.Module):
         )  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def forward_cached(self, x: Tensor, past: KV | None, mask: Tensor) -> tuple[Tensor, KV]:
+        """Attention of new positions x (B, T, C) over the cached ones and themselves.
+
+        `past` holds the keys and values (B, H, S0, D) of earlier positions (None: none yet);
+        `mask` (B, 1, T, S0 + T) bool says which key each query may attend to (True: attend),
+        so it carries both causality and padding. Returns the output (B, T, C) and the keys and
+        values of all S0 + T positions, the next call's `past`. The training `forward` is
+        untouched: this path exists for generation only.
+        """
+        B, T, C = x.shape
+        H = self.n_head
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        if past is not None:
+            k = torch.cat((past[0], k), dim=2)  # (B, H, S0 + T, D)
+            v = torch.cat((past[1], v), dim=2)  # (B, H, S0 + T, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y)), (k, v)
 
 
 class MLP(nn.Module):
@@ -121,6 +154,13 @@ class GPTBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
+
+    def forward_cached(self, x: Tensor, past: KV | None, mask: Tensor) -> tuple[Tensor, KV]:
+        """`forward` for incremental decoding: (B, T, C) -> (B, T, C) and this block's keys and
+        values so far (see `CausalSelfAttention.forward_cached`)."""
+        a, kv = self.attn.forward_cached(self.ln_1(x), past, mask)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), kv  # (B, T, C)
 
 
 class GPTHead(nn.Module):
