@@ -23,6 +23,7 @@ transformers' own `DynamicCache`, attention masks and rotary embeddings.
 from __future__ import annotations
 
 import copy
+import inspect
 import weakref
 from typing import Protocol
 
@@ -140,6 +141,10 @@ class HFDecoder:
 
     def __init__(self, model: SwarmModel):
         self.hf = hf_model_of(model)
+        # transformers 5 renamed past_key_values to cache (the old name warns, then goes)
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(self.hf.forward).parameters else "past_key_values"
+        )
         self._cache = None
         self._mask: Tensor | None = None  # (B, S) 1 on real tokens
         self._next_pos: Tensor | None = None  # (B,)
@@ -155,8 +160,8 @@ class HFDecoder:
             input_ids=ids,
             attention_mask=self._mask,
             position_ids=pos,
-            past_key_values=self._cache,
             use_cache=True,
+            **{self._cache_kw: self._cache},
         )
         return out.logits  # (B, P, V)
 
@@ -167,8 +172,8 @@ class HFDecoder:
             input_ids=tokens[:, None],
             attention_mask=self._mask,
             position_ids=self._next_pos[:, None],
-            past_key_values=self._cache,
             use_cache=True,
+            **{self._cache_kw: self._cache},
         )
         self._next_pos = self._next_pos + 1
         return out.logits[:, -1]  # (B, V)
