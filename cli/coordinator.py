@@ -17,6 +17,7 @@ from swarmtrain.cli.options import (
     check_writable_flag,
     parse_model_config,
     parse_stage_bounds,
+    parse_task_options,
     run_guarded,
     setup_logging,
     trust_settings,
@@ -143,6 +144,32 @@ def coordinator(
             show_default="the model's own (tiny-gpt: cross_entropy)",
         ),
     ] = None,
+    task: Annotated[
+        str | None,
+        typer.Option(
+            help="Make this an RL run on a task with verifiable rewards: add, sort, reverse, or an import "
+            "path 'package.module:function' (rollout peers sample completions, the loss is GRPO).",
+            show_default="no task: trainers feed their own data",
+        ),
+    ] = None,
+    task_options: Annotated[
+        str, typer.Option(help="The task's options as JSON, e.g. '{\"digits\": 2}'.")
+    ] = "{}",
+    samples_per_prompt: Annotated[
+        int,
+        typer.Option(
+            min=2, help="RL: completions sampled per prompt, the group advantages are normalised over."
+        ),
+    ] = 8,
+    max_staleness: Annotated[
+        int,
+        typer.Option(
+            min=0, help="RL: a completion sampled by a policy more than this many steps old is dropped."
+        ),
+    ] = 2,
+    weights_codec: Annotated[
+        str, typer.Option(help="RL: how rollout peers fetch each policy version: none (exact), bf16 or int8.")
+    ] = "none",
     host: Host = "127.0.0.1",
     port: Port = 0,
     dashboard_port: Annotated[
@@ -256,6 +283,7 @@ def coordinator(
     from swarmtrain.peers.dashboard.config import DashboardConfig
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
+    from swarmtrain.wire.rl_config import RLConfig
 
     def main() -> None:
         from swarmtrain.cli.options import check_peer_id_flag, check_run_owner_flag
@@ -307,7 +335,16 @@ def coordinator(
                 averaging=compress_averaging,
                 error_feedback=error_feedback,
             ),
-            loss=loss,
+            loss=loss if task is None else (loss or "grpo"),
+            rl=None
+            if task is None
+            else RLConfig(
+                task=task,
+                task_options=parse_task_options(task_options),
+                samples_per_prompt=samples_per_prompt,
+                max_staleness=max_staleness,
+                weights_codec=weights_codec,
+            ),
             checkpoint_every=checkpoint_every,
             allow_reinit=allow_reinit,
             restore_lost_stage_only=restore_lost_stage_only,

@@ -52,6 +52,13 @@ app.command()(coordinator)
 def join(
     initial_peers: InitialPeers,
     run_id: RunId = None,
+    role: Annotated[
+        str,
+        typer.Option(
+            help="stage: serve a pipeline stage; rollout: hold a whole copy of an RL run's policy and "
+            "sample completions for its trainers."
+        ),
+    ] = "stage",
     stage: Annotated[
         int | None,
         typer.Option(
@@ -143,7 +150,7 @@ def join(
         typer.Option(
             hidden=True,
             help="Testing: ACTION:KIND:N kills (kill) or terminates (term) this peer as its N-th "
-            "forward/backward/loss task starts.",
+            "forward/backward/loss task starts; a rollout peer takes 'lie' (it claims every reward is 1).",
             show_default="no fault",
         ),
     ] = None,
@@ -156,6 +163,7 @@ def join(
     """Join a swarm as a stage peer and serve forward and backward passes until stopped (or
     until the run's last step)."""
     setup_logging(verbose)
+    from swarmtrain.errors import ConfigError
     from swarmtrain.model import ModelSources
     from swarmtrain.peers.probe import parse_bytes, resolve_device
     from swarmtrain.peers.stage import StageConfig, StagePeer
@@ -164,6 +172,10 @@ def join(
     from swarmtrain.transport import TransportConfig
 
     def main() -> None:
+        if role not in ("stage", "rollout"):
+            raise ConfigError(f"--role must be 'stage' or 'rollout', got {role!r}")
+        if role == "rollout":
+            return _join_rollout()
         config = StageConfig(
             node=NodeConfig(
                 initial_peers=tuple(initial_peers),
@@ -200,6 +212,32 @@ def join(
                 f"serving stage {peer.stage} of run {peer.manifest.run_id!r} on {config.device} as {peer.node.peer_id}"
             )
         peer.on_finished = typer.echo
+        peer.run()
+
+    def _join_rollout() -> None:
+        from swarmtrain.peers.rollout import RolloutConfig, RolloutPeer
+
+        config = RolloutConfig(
+            node=NodeConfig(
+                initial_peers=tuple(initial_peers),
+                host=host,
+                port=port,
+                announce_host=announce_host,
+                **trust_settings("stage", identity, swarm_key, run_owner),
+            ),
+            run_id=run_id,
+            device=resolve_device(gpu),
+            num_threads=threads,
+            models=ModelSources(allow=tuple(allow_model or ())),
+            fault=inject_fault,
+        )
+        peer = RolloutPeer(config)
+        if ready_file is not None:
+            peer.on_serving = lambda: _write_atomic(ready_file, peer.node.peer_id)
+        else:
+            peer.on_serving = lambda: typer.echo(
+                f"sampling for run {peer.manifest.run_id!r} on {config.device} as {peer.node.peer_id}"
+            )
         peer.run()
 
     run_guarded(main)
@@ -301,10 +339,17 @@ def train(
         )
         with Trainer(config) as trainer:
             models = ModelSources(allow=tuple(allow_model or ()))
-            batches = text_batches_for(trainer.manifest, data, models=models)
+            feed = None
+            if trainer.manifest.rl is not None:  # rollout peers make the data
+                from swarmtrain.rl.feed import RolloutFeed
+
+                batches = feed = RolloutFeed(trainer)
+            else:
+                batches = text_batches_for(trainer.manifest, data, models=models)
             if trainer.shard.count > 1:
                 typer.echo(f"feeding shard {trainer.shard} of run {trainer.manifest.run_id!r}", err=jsonl)
-            for result in trainer.train(batches, steps=steps, run_order=True):
+            for result in trainer.train(batches, steps=steps, run_order=feed is None):
+                rl = feed.report(result.step) if feed is not None else {}
                 if jsonl:
                     record = {
                         "step": result.step,
@@ -322,12 +367,16 @@ def train(
                         "lr": result.lr,
                         "grad_norm": result.grad_norm,
                         "replicas_equal": result.replicas_equal,
+                        **rl,
                     }
                     typer.echo(json.dumps(record))
                 else:
                     extra = f"  {result.replays} replayed" if result.replays else ""
                     extra += f"  {result.dropped} dropped" if result.dropped else ""
                     extra += f"  grad norm {result.grad_norm:.3g}" if result.grad_norm is not None else ""
+                    if rl:
+                        extra += f"  reward {rl['reward']:.3f}  policy lag {rl['policy_lag']:.1f}"
+                        extra += f"  stale {rl['stale']}" if rl["stale"] else ""
                     if result.rolled_back:
                         typer.echo(f"rolled back: {result.rolled_back}")
                     typer.echo(

@@ -115,8 +115,9 @@ def setup_logging(verbose: bool) -> None:
     )
 
 
-def parse_model_config(text: str) -> dict:
-    """'{"n_layer": 4}' or 'n_layer=4,d_model=128' -> dict (numbers and booleans typed)."""
+def parse_model_config(text: str, flag: str = "--model-config") -> dict:
+    """'{"n_layer": 4}' or 'n_layer=4,d_model=128' -> dict (numbers and booleans typed);
+    ConfigError naming `flag` otherwise."""
     text = text.strip()
     if not text:
         return {}
@@ -125,12 +126,12 @@ def parse_model_config(text: str) -> dict:
             value = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(
-                f"--model-config is not valid JSON ({e}): write an object like "
+                f"{flag} is not valid JSON ({e}): write an object like "
                 """'{"n_layer": 4}', or KEY=VALUE,KEY=VALUE"""
             ) from None
         if not isinstance(value, dict):
             raise ConfigError(
-                """--model-config must be a JSON object like '{"n_layer": 4}', or KEY=VALUE,KEY=VALUE"""
+                f"{flag} must be a JSON object like '{{\"n_layer\": 4}}', or KEY=VALUE,KEY=VALUE"
             )
         return value
     out = {}
@@ -138,7 +139,7 @@ def parse_model_config(text: str) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(
-                f"--model-config item {item!r} is not KEY=VALUE: write KEY=VALUE,KEY=VALUE, e.g. n_layer=4,d_model=128"
+                f"{flag} item {item!r} is not KEY=VALUE: write KEY=VALUE,KEY=VALUE, e.g. n_layer=4,d_model=128"
             )
         try:
             out[key.strip()] = json.loads(raw)
@@ -249,3 +250,8 @@ def trust_settings(
         "swarm_key_path": None if swarm_key is None else str(swarm_key),
         "run_owner": run_owner,
     }
+
+
+def parse_task_options(text: str) -> dict:
+    """--task-options: like --model-config, '{"digits": 2}' or digits=2."""
+    return parse_model_config(text, "--task-options")

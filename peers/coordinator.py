@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import secrets
 import threading
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from swarmtrain.wire.records import (
     check_run_id,
     even_split,
 )
+from swarmtrain.wire.rl_config import RLConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ class CoordinatorConfig:
     """Codecs of activations, gradients and replica averaging on the wire (default: none)."""
     loss: str | None = None
     """The loss the last stage computes, by registered name (e.g. 'weighted_cross_entropy'); None: the model's own."""
+    rl: RLConfig | None = None
+    """An RL run's task and sampling (rollout peers make its data); None: not an RL run."""
     trainers: tuple[str, ...] = ()
     """Peer ids of the trainers this run authorizes (the manifest lists them; stage peers take
     microbatches and commit phases from no one else)."""
@@ -112,6 +116,22 @@ class CoordinatorConfig:
             raise ConfigError(f"republish_s must be > 0, got {self.republish_s}")
 
 
+def _check_rl(rl: RLConfig, loss: str | None, seq_len: int) -> None:
+    """ConfigError unless the task builds (the owner's choice: its import path is allowed), the
+    loss is a GRPO loss, and a prompt with its completion fits the model's input."""
+    from swarmtrain.rl.grpo import grpo_config
+    from swarmtrain.rl.registry import TaskSources, build_task
+
+    task = build_task(rl.task, rl.task_options, TaskSources(allow=(rl.task,) if ":" in rl.task else ()))
+    grpo_config(loss or "")
+    longest = max(len(task.tokenizer.encode(task.make_prompt(random.Random(i)))) for i in range(64))
+    if longest + task.max_new_tokens > seq_len + 1:
+        raise ConfigError(
+            f"task {rl.task!r}: a prompt of up to {longest} tokens and an answer of {task.max_new_tokens} "
+            f"do not fit the model's {seq_len} positions: give the model a longer seq_len"
+        )
+
+
 def make_manifest(config: CoordinatorConfig) -> RunManifest:
     """The run's manifest; builds the model on the meta device to count its blocks and to
     check that the loss is registered and fits the model's output (ConfigError otherwise)."""
@@ -120,6 +140,8 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
     own_model = NO_IMPORTS.allowing(config.model)  # the owner's choice: no other import path
     model = build_model(config.model, config.model_config, device="meta", sources=own_model)
     model.loss_input_specs(config.loss)
+    if config.rl is not None:
+        _check_rl(config.rl, config.loss, model.input_shape[0])
     return RunManifest(
         run_id=config.run_id,
         model=config.model,
@@ -133,6 +155,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         schedule=config.schedule,
         compression=config.compression,
         loss=config.loss,
+        rl=config.rl,
         trainers=tuple(config.trainers),
         weight_readers=config.weight_readers,
         checkpoint_every=config.checkpoint_every,

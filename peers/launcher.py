@@ -245,6 +245,27 @@ class LocalSwarm:
             self.wait_ready(name)
         return name
 
+    def spawn_rollout(self, *, extra_args: tuple[str, ...] = (), wait: bool = True) -> str:
+        """Start a rollout peer of this (RL) run; returns its name."""
+        self._count += 1
+        name = f"rollout-{self._count}"
+        args = [
+            "join", "--role", "rollout",
+            "--initial-peers", self.address,
+            "--run-id", self.config.run_id,
+            "--gpu", "cpu",
+            "--threads", str(self.config.threads_per_peer),
+            "--host", self.config.host,
+            "--ready-file", str(self.log_dir / f"{name}.ready"),
+            *self.trust_args(name),
+            *self._allow_own_model(),
+            *extra_args,
+        ]  # fmt: skip
+        self.spawn(name, args)
+        if wait:
+            self.wait_ready(name)
+        return name
+
     def _allow_own_model(self) -> list[str]:
         # Whoever launches this swarm chose its model: its stage peers may import it.
         model = self.config.model

@@ -152,6 +152,10 @@ def registered_losses() -> list[str]:
 def get_loss(name: str) -> Loss:
     """The loss registered as `name`; raises ConfigError listing the registered ones."""
     loss = _LOSSES.get(name)
+    if loss is None and name.startswith("grpo"):
+        import swarmtrain.rl.grpo  # noqa: F401  (registers the built-in GRPO losses)
+
+        loss = _LOSSES.get(name)
     if loss is None:
         raise ConfigError(
             f"unknown loss {name!r}: registered losses are {_describe(_LOSSES)} (--loss); "

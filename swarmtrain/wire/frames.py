@@ -48,6 +48,7 @@ MAX_NDIM = 8
 FRAME_KINDS = ("forward", "result", "step", "step_done", "ping", "pong", "state", "state_data", "grads")
 FRAME_KINDS += ("report", "outcome", "error")  # trainer to trainer; any reply
 FRAME_KINDS += ("weights", "weights_data")  # a policy version's parameters (swarmtrain.train.versions)
+FRAME_KINDS += ("rollout", "rollout_data")  # trainer <-> rollout peer (swarmtrain.wire.rollout_messages)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,

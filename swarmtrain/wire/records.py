@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.wire.rl_config import RLConfig
 from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the records' settings)
     CODEC_CHOICES,
     BatchConfig,
@@ -21,15 +22,16 @@ from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the record
     _from_dict,
 )
 
-WIRE_VERSION = 8
-"""8: policy versions ('weights' requests, the cause 'version_gone'), the run's weight readers.
+WIRE_VERSION = 9
+"""9: RL runs (the manifest's rl, rollout peers and their requests).
+8: policy versions ('weights' requests, the cause 'version_gone'), the run's weight readers.
 7: checkpoints (the run's cadence, the steps a peer holds, the 'lost' state).
 6: signed records, the run's authorized trainers, the private swarm's stream challenge.
 5: typed protocol meta (lists as lists), error causes, named loss inputs, the run's loss."""
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LOSS_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 """What a registered loss name looks like (swarmtrain.model.losses checks names against it too)."""
-PEER_ROLES = ("coordinator", "stage", "trainer")
+PEER_ROLES = ("coordinator", "stage", "trainer", "rollout")
 SCHEDULES = ("readiness", "static")
 """How stage peers order their work and route microbatches (see swarmtrain/schedule)."""
 PEER_STATES = ("joining", "serving", "draining", "lost", "finished")
@@ -148,6 +150,9 @@ class RunManifest:
     resume: bool = False
     """With `init_from` a run checkpoint: take its optimizer state and step too (the run goes on
     where it stopped) instead of its parameters alone."""
+    rl: RLConfig | None = None
+    """An RL run's task and sampling (`swarmtrain.wire.rl_config`): rollout peers make its data;
+    None: the trainers feed data of their own."""
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self):
@@ -232,6 +237,14 @@ class RunManifest:
         if not isinstance(self.compression, CompressionConfig):
             raise ConfigError("manifest: compression must be a mapping")
         self.compression.check_stages(self.num_stages)
+        if isinstance(self.rl, dict):
+            object.__setattr__(self, "rl", RLConfig.from_dict(self.rl))
+        if self.rl is not None:
+            if not isinstance(self.rl, RLConfig):
+                raise ConfigError("manifest: rl must be a mapping or null")
+            if self.loss is None:
+                raise ConfigError("manifest: an RL run must name its GRPO loss (--loss grpo)")
+            self.rl.prompts_per_step(self.batch.microbatch_size * self.batch.microbatches_per_step)
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"unknown schedule {self.schedule!r}: choose {' or '.join(map(repr, SCHEDULES))} (--schedule)"
@@ -283,6 +296,7 @@ class RunManifest:
             "instance": self.instance,
             "init_from": self.init_from,
             "resume": self.resume,
+            "rl": None if self.rl is None else self.rl.to_dict(),
             "wire_version": self.wire_version,
         }
 

@@ -1,0 +1,174 @@
+"""A rollout peer: a whole copy of an RL run's policy that samples completions for its trainers.
+
+`swarmtrain join --role rollout` starts one. It reads the run's manifest, builds the whole
+model twice on its device (the sampling copy and the one the next version loads into), takes
+the newest policy version every stage serves (`swarmtrain.rl.weights`), announces itself
+under `{run}.peers` (role 'rollout', its step the policy version it samples with, its
+sampling rate), and answers trainers' rollout requests (`swarmtrain.rl.worker`). In the
+background it follows the run: whenever the stages serve a newer version it fetches it
+(through the run's `weights_codec`) and swaps it in between requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from hivemind.utils import get_dht_time
+
+import swarmtrain
+from swarmtrain.errors import ConfigError, RemoteError
+from swarmtrain.model import ModelSources, build_model
+from swarmtrain.model.registry import NO_IMPORTS
+from swarmtrain.peers.self_measure import device_label
+from swarmtrain.rl.grpo import grpo_config
+from swarmtrain.rl.registry import TaskSources, build_task
+from swarmtrain.rl.weights import FetchConfig, fetch_version, latest_version, swarm_source
+from swarmtrain.rl.worker import RolloutWorker
+from swarmtrain.swarm import NodeConfig, SwarmNode
+from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
+from swarmtrain.wire.records import PeerRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    node: NodeConfig
+    run_id: str | None = None
+    device: str = "cpu"
+    num_threads: int | None = None
+    transport: TransportConfig = TransportConfig()
+    models: ModelSources = NO_IMPORTS
+    tasks: TaskSources = TaskSources()
+    heartbeat_s: float = 2.0
+    follow_s: float = 0.5
+    """Seconds between looks for a newer policy version."""
+    wait_for_stages_s: float = 120.0
+    """Longest wait at start for every stage to serve a version."""
+    fault: str | None = None
+    """Testing: 'lie' claims reward 1 for every completion (trainers must ban this peer)."""
+
+
+class RolloutPeer:
+    """Serve rollout requests for one run until stopped (see the module docstring)."""
+
+    def __init__(self, config: RolloutConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.node = SwarmNode(config.node)
+        self.manifest = m = self.node.require_manifest(config.run_id)
+        if m.rl is None:
+            self.node.shutdown()
+            raise ConfigError(
+                f"run {m.run_id!r} is not an RL run (its coordinator named no --task): "
+                "join it as a stage peer instead (leave out --role rollout)"
+            )
+        self.task = build_task(m.rl.task, m.rl.task_options, config.tasks)
+        models = [
+            build_model(m.model, m.model_config, device=config.device, sources=config.models)
+            for _ in range(2)
+        ]
+        self.worker = RolloutWorker(
+            run_id=m.run_id,
+            model=models[0],
+            spare=models[1],
+            task=self.task,
+            temperature=grpo_config(m.loss).temperature,
+            authorized=lambda peer: not m.trainers or peer in m.trainers,
+            version=-1,
+        )
+        if config.fault is not None:
+            if config.fault != "lie":
+                raise ConfigError(f"a rollout peer's --inject-fault takes 'lie', got {config.fault!r}")
+            self.worker.reward = lambda prompt, completion: 1.0
+        self.on_serving = lambda: None
+        self._stop = threading.Event()
+        self._since = get_dht_time()
+
+    def record(self, state: str = "serving") -> PeerRecord:
+        s = self.worker.stats
+        return PeerRecord(
+            peer_id=self.node.peer_id,
+            role="rollout",
+            state=state,
+            device=device_label(self.config.device),
+            version=swarmtrain.__version__,
+            served=s.samples,
+            step=max(self.worker.version, 0),
+            since=self._since,
+            service_s=s.sample_seconds / s.samples if s.samples else 0.0,
+            bytes_received=s.update_bytes,
+            busy_s=s.sample_seconds,
+            failed=s.refused,
+        )
+
+    def run(self) -> None:
+        """Serve until `stop()` (or Ctrl-C)."""
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.node.shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _main(self) -> None:
+        transport = TensorTransport(
+            await self.node.p2p(), self.config.transport, swarm_key=self.node.swarm_key
+        )
+        self.worker.strike = transport.strike
+        source = await swarm_source(
+            self.node, self.manifest.run_id, transport=transport, sources=self.config.models
+        )
+        fetch = FetchConfig(codec=self.manifest.rl.weights_codec)
+        deadline = time.monotonic() + self.config.wait_for_stages_s
+        while not await self._update(source, fetch):
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"no policy version of run {self.manifest.run_id!r} came from its stages in "
+                    f"{self.config.wait_for_stages_s:.0f} s: does every stage have a peer?"
+                )
+            await asyncio.sleep(self.config.follow_s)
+        await transport.serve(handler_name(self.manifest.run_id), self.worker.handle)
+        await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=3 * self.config.heartbeat_s)
+        self.on_serving()
+        beat = time.monotonic()
+        while not self._stop.is_set():
+            await asyncio.sleep(self.config.follow_s)
+            await self._update(source, fetch)
+            if time.monotonic() - beat > self.config.heartbeat_s:
+                beat = time.monotonic()
+                await self.node.announce_async(
+                    self.manifest.run_id, self.record(), ttl_s=3 * self.config.heartbeat_s
+                )
+        await self.node.announce_async(
+            self.manifest.run_id, self.record("draining"), ttl_s=self.config.heartbeat_s
+        )
+
+    async def _update(self, source, fetch: FetchConfig) -> bool:
+        """Take the newest version the stages serve if it is newer than ours; True if we hold one."""
+        try:
+            newest = await latest_version(source)
+            if newest is not None and newest > self.worker.version:
+                state, stats = await fetch_version(source, newest, fetch)
+                await asyncio.get_running_loop().run_in_executor(
+                    None,
+                    lambda: self.worker.install(
+                        state, stats.version, wire_bytes=stats.wire_bytes, seconds=stats.seconds
+                    ),
+                )
+                logger.info(
+                    "policy version %d: %.2f MB in %.2f s",
+                    stats.version,
+                    stats.wire_bytes / 1e6,
+                    stats.seconds,
+                )
+        except RemoteError as e:  # a replica moved on or left mid-fetch: the next look tries again
+            logger.debug("policy version not taken: %s", e)
+        return self.worker.version >= 0

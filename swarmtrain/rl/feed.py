@@ -1,0 +1,327 @@
+"""A trainer's data in an RL run: GRPO microbatches made of rollout peers' completions.
+
+`RolloutFeed(trainer)` is an iterable of microbatches for `Trainer.train`. On the trainer's
+event loop it keeps rollout requests in flight at the run's rollout peers (records with role
+'rollout'): a few prompts each, drawn from the task's train split. Each reply is checked
+(`rollout_messages.decode_reply`) and every reward recomputed from the text by the task: a
+rollout peer whose reply is malformed or whose claimed rewards are not the task's is banned
+for the run (`banned`), and its prompts go to another peer. A peer that fails or dies costs
+only the samples it had not sent: its prompts go back to the front of the queue.
+
+Staleness. A completion sampled by policy version v trains step s only if s - v <=
+`max_staleness`; older ones are dropped (`stale`) and their prompts asked again. Admission
+control keeps work from going stale before it starts: a request asks for a version at least
+s + 1 - max_staleness (s the trainer's step; the completion trains at s + 1 at the latest, since the
+feed buffers at most what the next steps take), and a rollout peer further behind refuses
+it before sampling; and the feed asks for no more than `ahead_steps` steps' worth of
+completions beyond what is buffered, so nothing waits long enough to go stale while the swarm
+keeps pace.
+
+Advantages are normalised within each prompt's group of G completions, all from one reply
+(one policy version). Each step's rewards, accuracy and counts are in `step_stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmtrain.errors import BadFrameError, Cause, ConfigError, PeerUnreachableError, RemoteError
+from swarmtrain.model import build_model
+from swarmtrain.rl.generate import Trajectory
+from swarmtrain.rl.grpo import group_advantages, grpo_config, grpo_microbatch
+from swarmtrain.rl.registry import TaskSources, build_task
+from swarmtrain.train.step import StepFailedError
+from swarmtrain.transport import handler_name
+from swarmtrain.wire.frames import Frame
+from swarmtrain.wire.rollout_messages import RolloutRequest, decode_reply, encode_prompts
+
+logger = logging.getLogger(__name__)
+
+WAIT_FOR_ROLLOUTS_S = 180.0
+"""Longest a step waits for completions before it fails, saying what is missing."""
+
+
+@dataclass
+class StepStats:
+    """What one step trained on."""
+
+    samples: int = 0
+    reward_sum: float = 0.0
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def reward(self) -> float:
+        return self.reward_sum / self.samples if self.samples else float("nan")
+
+
+@dataclass
+class FeedCounts:
+    """What the feed took and refused since it started."""
+
+    samples: int = 0
+    """Completions received and checked."""
+    stale: int = 0
+    """Completions dropped as more than max_staleness versions old."""
+    rejected: int = 0
+    """Completions refused with their peer (a malformed reply, a wrong reward)."""
+    lost: int = 0
+    """Completions asked of a peer that failed or died before answering."""
+    refused: int = 0
+    """Requests a rollout peer refused (behind the version asked for, draining, ...)."""
+
+
+class RolloutFeed:
+    """GRPO microbatches from rollout peers (see the module docstring)."""
+
+    def __init__(self, trainer, *, seed: int = 0, sources: TaskSources = TaskSources(), ahead_steps: int = 1):
+        manifest = trainer.manifest
+        if manifest.rl is None:
+            raise ConfigError(
+                f"run {manifest.run_id!r} is not an RL run: it names no task (coordinator --task)"
+            )
+        self.trainer = trainer
+        self.rl = rl = manifest.rl
+        self.task = build_task(rl.task, rl.task_options, sources)
+        self.temperature = grpo_config(manifest.loss).temperature
+        self.G = rl.samples_per_prompt
+        batch = manifest.batch
+        self.microbatch_size = batch.microbatch_size
+        self.samples_per_step = batch.microbatch_size * batch.microbatches_per_step
+        self.prompts_per_step = rl.prompts_per_step(self.samples_per_step)
+        model = build_model(manifest.model, manifest.model_config, device="meta")
+        self.seq_len = model.input_shape[0]
+        self.vocab_size = self.task.tokenizer.vocab_size
+        self.max_new_tokens = self.task.max_new_tokens
+        self.ahead_steps = ahead_steps
+        self.rng = random.Random(f"{manifest.seed}:{seed}:{trainer.node.peer_id}")
+        self.counts = FeedCounts()
+        self.banned: dict[str, str] = {}
+        self.step_stats: dict[int, StepStats] = collections.defaultdict(StepStats)
+        self._lock = threading.Condition()
+        self._ready: collections.deque[tuple[Trajectory, float]] = collections.deque()
+        self._retry: collections.deque[str] = collections.deque()
+        self._in_flight = 0  # prompts asked for and not answered
+        self._busy: set[str] = set()
+        self._resting: dict[str, float] = {}  # peer -> monotonic time it may be asked again
+        self._pump: asyncio.Future | None = None
+        self._closed = False
+
+    # the trainer's side: microbatches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self._pump is None:
+            self._pump = asyncio.run_coroutine_threadsafe(self._run(), self.trainer._loop)
+        deadline = time.monotonic() + WAIT_FOR_ROLLOUTS_S
+        taken: list[tuple[Trajectory, float]] = []
+        with self._lock:
+            while len(taken) < self.microbatch_size:
+                step = self.trainer.step
+                while self._ready and len(taken) < self.microbatch_size:
+                    t, a = self._ready.popleft()
+                    if step - t.policy_version > self.rl.max_staleness:
+                        self.counts.stale += 1
+                        if t.group_id >= 0:  # a group's first completion asks its prompt again
+                            self._retry.append(self.task.tokenizer.decode(list(t.prompt_ids)))
+                        continue
+                    taken.append((t, a))
+                if len(taken) < self.microbatch_size:
+                    if self._pump.done():
+                        self._pump.result()  # its error, if it failed
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise StepFailedError(self._starved())
+                    self._lock.notify_all()
+                    self._lock.wait(min(left, 1.0))
+            stats = self.step_stats[self.trainer.step]
+            for t, _ in taken:
+                stats.samples += 1
+                stats.reward_sum += t.reward
+                stats.versions.append(t.policy_version)
+        trajectories, advantages = zip(*taken, strict=True)
+        return grpo_microbatch(
+            list(trajectories), list(advantages), seq_len=self.seq_len, temperature=self.temperature
+        )
+
+    def _starved(self) -> str:
+        return (
+            f"no completions for {WAIT_FOR_ROLLOUTS_S:.0f} s: run {self.trainer.manifest.run_id!r} needs rollout peers "
+            f"(`swarmtrain join --initial-peers ADDR --role rollout`); banned: {len(self.banned)}, "
+            f"stale: {self.counts.stale}, refused: {self.counts.refused}"
+        )
+
+    def report(self, step: int) -> dict:
+        """What step `step` trained on and what the feed counted so far, as JSON-ready numbers."""
+        stats = self.step_stats.get(step, StepStats())
+        lag = sum(step - v for v in stats.versions) / len(stats.versions) if stats.versions else float("nan")
+        c = self.counts
+        return {
+            "reward": stats.reward,
+            "policy_lag": lag,
+            "samples": c.samples,
+            "stale": c.stale,
+            "rejected": c.rejected,
+            "lost": c.lost,
+            "banned": len(self.banned),
+        }
+
+    def close(self) -> None:
+        self._closed = True
+        if self._pump is not None:
+            self._pump.cancel()
+
+    # the event loop's side: requests
+
+    async def _run(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        peers: list[str] = []
+        read_at = -1.0
+        while not self._closed:
+            if time.monotonic() - read_at > 1.0:
+                records = await self.trainer.node.peers_async(self.trainer.manifest.run_id)
+                peers = sorted(
+                    r.peer_id
+                    for r in records
+                    if r.role == "rollout" and r.state == "serving" and r.peer_id not in self.banned
+                )
+                read_at = time.monotonic()
+            now = time.monotonic()
+            free = [p for p in peers if p not in self._busy and self._resting.get(p, 0) <= now]
+            for peer in free:
+                count = self._prompts_wanted(len(peers))
+                if count <= 0:
+                    break
+                self._busy.add(peer)
+                self._in_flight += count
+                task = asyncio.create_task(self._ask(peer, count))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await asyncio.sleep(0.05)
+
+    def _prompts_wanted(self, peers: int) -> int:
+        """Prompts to ask one more peer for now: what the next `ahead_steps` steps take beyond
+        what is buffered or asked for, a fair share of a step each."""
+        with self._lock:
+            buffered = len(self._ready) // self.G + self._in_flight
+        want = self.prompts_per_step * (1 + self.ahead_steps) - buffered
+        share = max(1, -(-self.prompts_per_step // max(peers, 1)))
+        return min(want, share)
+
+    async def _ask(self, peer: str, count: int) -> None:
+        prompts = []
+        with self._lock:
+            while self._retry and len(prompts) < count:
+                prompts.append(self._retry.popleft())
+        prompts += [self.task.train_prompt(self.rng) for _ in range(count - len(prompts))]
+        min_version = max(0, self.trainer.step + 1 - self.rl.max_staleness)
+        request = RolloutRequest(
+            samples_per_prompt=self.G,
+            max_new_tokens=self.max_new_tokens,
+            min_version=min_version,
+            seed=self.rng.getrandbits(63),
+        )
+        encode = self.task.tokenizer.encode
+        frame = Frame(
+            kind="rollout",
+            run_id=self.trainer.manifest.run_id,
+            tensors=encode_prompts([encode(p) for p in prompts]),
+            meta=request.to_meta(),
+        )
+        try:
+            reply = await self.trainer.transport.call(
+                peer,
+                handler_name(self.trainer.manifest.run_id),
+                frame,
+                timeout_s=self.trainer.config.microbatch_timeout_s,
+            )
+            taken = self._check(peer, prompts, reply)
+        except (BadFrameError, _Lied) as e:
+            self._ban(peer, str(e))
+            self._give_back(prompts, rejected=count * self.G)
+        except RemoteError as e:
+            self._resting[peer] = time.monotonic() + (0.5 if e.cause == Cause.WRONG_STEP else 5.0)
+            self.counts.refused += 1
+            logger.debug("rollout peer %s refused: %s", peer[-8:], e)
+            self._give_back(prompts)
+        except PeerUnreachableError as e:
+            self._resting[peer] = time.monotonic() + 10.0
+            logger.warning(
+                "rollout peer %s failed (%s): its %d prompts go to another", peer[-8:], e, len(prompts)
+            )
+            self._give_back(prompts, lost=count * self.G)
+        else:
+            with self._lock:
+                self._ready.extend(taken)
+                self.counts.samples += len(taken)
+                self._in_flight -= count
+                self._lock.notify_all()
+        finally:
+            self._busy.discard(peer)
+
+    def _give_back(self, prompts: list[str], *, rejected: int = 0, lost: int = 0) -> None:
+        with self._lock:
+            self._retry.extendleft(reversed(prompts))
+            self._in_flight -= len(prompts)
+            self.counts.rejected += rejected
+            self.counts.lost += lost
+
+    def _ban(self, peer: str, why: str) -> None:
+        if peer in self.banned:  # another of its replies, already in flight
+            return
+        self.banned[peer] = why
+        self.trainer.transport.strike(peer, why)
+        logger.warning("rollout peer %s banned from the run: %s", peer[-8:], why)
+
+    def _check(self, peer: str, prompts: list[str], reply: Frame) -> list[tuple[Trajectory, float]]:
+        """The reply's completions with their advantages; BadFrameError or _Lied if it does not hold."""
+        if reply.kind != "rollout_data":
+            raise BadFrameError(f"a rollout request was answered with a {reply.kind!r} frame")
+        newest = max(self.trainer.step, 0) + 1
+        got = decode_reply(
+            reply.meta,
+            reply.tensors,
+            rows=len(prompts) * self.G,
+            max_new_tokens=self.max_new_tokens,
+            vocab_size=self.vocab_size,
+            newest_version=newest,
+        )
+        encode, decode = self.task.tokenizer.encode, self.task.tokenizer.decode
+        out = []
+        for g, prompt in enumerate(prompts):
+            rows = range(g * self.G, (g + 1) * self.G)
+            rewards = []
+            for i in rows:
+                reward = self.task.reward(prompt, decode(list(got.tokens[i])))
+                if reward != got.rewards[i]:
+                    raise _Lied(
+                        f"it claimed reward {got.rewards[i]} for {decode(list(got.tokens[i]))!r} after "
+                        f"{prompt!r}; the task gives {reward}"
+                    )
+                rewards.append(reward)
+            advantages = group_advantages(torch.tensor(rewards), self.G).tolist()
+            for j, i in enumerate(rows):
+                t = Trajectory(
+                    prompt_ids=tuple(encode(prompt)),
+                    completion_ids=got.tokens[i],
+                    behaviour_logprobs=got.logprobs[i],
+                    temperature=self.temperature,
+                    policy_version=got.version,
+                    group_id=g if j == 0 else -1,
+                    reward=rewards[j],
+                )
+                out.append((t, advantages[j]))
+        return out
+
+
+class _Lied(Exception):
+    """A rollout peer's reply is well-formed but not true."""

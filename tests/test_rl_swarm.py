@@ -1,0 +1,76 @@
+"""GRPO through a real swarm: rollout peers sample from the policy version the stages serve, the
+trainer recomputes every reward, bans a peer that lies about them, and goes on when a rollout
+peer is killed."""
+
+import math
+import random
+import signal
+
+import pytest
+import torch
+
+from swarmtrain.model import build_model
+from swarmtrain.peers.export import save_model
+from swarmtrain.rl.feed import RolloutFeed
+from swarmtrain.rl.local import LocalConfig, warmup
+from swarmtrain.rl.registry import build_task
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from tests.conftest import wait_until
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 16}
+G = 8
+
+
+def warm_model(where) -> None:
+    """A policy that answers in the right format and sometimes right: GRPO needs some reward."""
+    torch.manual_seed(0)
+    model = build_model("tiny-gpt", MODEL, device="cpu")
+    cfg = LocalConfig(model=MODEL, warmup_steps=60, warmup_batch_size=64, warmup_lr=3e-3)
+    warmup(model, build_task("add"), cfg, random.Random(0))
+    save_model(model, where, builder="tiny-gpt", config=MODEL)
+
+
+def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_a_liar(local_swarm, tmp_path):
+    warm_model(tmp_path / "warm")
+    swarm = local_swarm(
+        model_config=MODEL,
+        num_stages=2,
+        loss="grpo",
+        batch=BatchConfig(microbatch_size=16, microbatches_per_step=4, max_in_flight=4),
+        optimizer=OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.0),
+        coordinator_args=(
+            "--task", "add", "--samples-per-prompt", str(G), "--max-staleness", "2",
+            "--init-from", str(tmp_path / "warm"), "--checkpoint-every", "0",
+        ),
+    )  # fmt: skip
+    honest = [swarm.spawn_rollout(wait=False) for _ in range(2)]
+    liar = swarm.spawn_rollout(extra_args=("--inject-fault", "lie"), wait=False)
+    ids = {name: swarm.wait_ready(name) for name in [*honest, liar]}
+
+    with swarm.trainer() as trainer:
+        feed = RolloutFeed(trainer)
+        results = list(trainer.train(feed, steps=4))
+        wait_until(lambda: ids[liar] in feed.banned, timeout_s=60, what="the lying rollout peer to be banned")
+        swarm.signal(honest[0], signal.SIGKILL)
+        results += trainer.train(feed, steps=3)
+        reports = [feed.report(r.step) for r in results]
+
+        def survivor():
+            return next((r for r in trainer.node.peers("demo") if r.peer_id == ids[honest[1]]), None)
+
+        # the surviving honest peer follows the run's policy versions as the stages apply steps
+        wait_until(lambda: survivor().step == 7, timeout_s=30, what="the rollout peer to take version 7")
+        assert survivor().served > 0
+
+    assert [r.step for r in results] == list(range(7))
+    assert all(math.isfinite(r.loss) for r in results)
+    assert any(r.grad_norm and r.grad_norm > 0 for r in results), [r.grad_norm for r in results]
+    assert all(r.completed == 4 and r.dropped == 0 for r in results)
+    assert "claimed reward 1.0" in feed.banned[ids[liar]]
+    assert feed.counts.rejected >= G  # the liar's whole reply went, none of it trained
+    assert set(feed.banned) == {ids[liar]}
+    for report in reports:
+        assert 0 <= report["policy_lag"] <= 2, reports  # nothing staler than --max-staleness trained
+        assert 0 <= report["reward"] <= 1
