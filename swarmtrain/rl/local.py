@@ -155,8 +155,17 @@ def grpo_step(
 
 
 def run_local(cfg: LocalConfig) -> LocalResult:
-    """Warm up, evaluate, run GRPO, evaluate: see the module docstring."""
+    """Warm up, evaluate, run GRPO, evaluate: see the module docstring. Runs on `cfg.threads`
+    torch threads, restoring the caller's count afterwards."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: LocalConfig) -> LocalResult:
     start = time.perf_counter()
     task = build_task(cfg.task, cfg.task_options)
     model = build_model("tiny-gpt", dict(cfg.model), device="meta")
