@@ -174,7 +174,7 @@ def peers_table(status: dict, now: float) -> Table:
             _status_text(r["status"]),
             _device(r),
             _memory(r),
-            str(r["step"]) if stage else "",
+            str(r["step"]) if stage or r["role"] == "rollout" else "",  # a rollout peer's: its policy version
             str(max(r["checkpoints"])) if r.get("checkpoints") else "",  # the newest checkpoint it holds
             "gone" if r["status"] == "gone" else format_age(now - r["since"]) if r["since"] else "",
         )
@@ -198,6 +198,26 @@ def work_table(status: dict) -> Table:
             format_bytes(r["bytes_sent"]),
             format_bytes(r["bytes_received"]),
             f"{r['compression']:.2f}x" if r["compression"] else "",
+        )
+    return table
+
+
+def rollout_table(status: dict) -> Table | None:
+    """What the rollout peers do (an RL run's): the policy version each samples with, the
+    completions it sent, its sampling rate, requests it refused and update bytes taken."""
+    rows = [r for r in status["peers"] + status["gone"] if r["role"] == "rollout"]
+    if not rows:
+        return None
+    columns = ("peer", "version", "samples", "samples/s", "refused", "updates recv")
+    table = _table("rollout peers", columns, ("peer",))
+    for r in rows:
+        table.add_row(
+            Text(r["peer_id"][-8:], style=STATUS_STYLES["gone"] if r["status"] == "gone" else ""),
+            str(r["step"]),
+            str(r["served"]),
+            f"{1 / r['service_s']:.1f}" if r["service_s"] else "",
+            str(r["failed"]),
+            format_bytes(r["bytes_received"]),
         )
     return table
 
@@ -246,6 +266,8 @@ def render_status(status: dict) -> Group:
         parts.append(peers_table(status, now))
         if any(r["role"] == "stage" for r in status["peers"] + status["gone"]):
             parts.append(work_table(status))
+        if (rollouts := rollout_table(status)) is not None:
+            parts.append(rollouts)
     else:
         parts.append(Text("no peers announced"))
     parts.append(
