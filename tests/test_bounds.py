@@ -63,6 +63,19 @@ def test_zero_norms_are_accepted_without_being_recorded():
     assert bound.admit(1e6, 1) is not None  # the cap still holds
 
 
+def test_the_residue_of_steps_without_work_does_not_set_the_median():
+    """A replica with no microbatches still sends its error-feedback residue through a lossy
+    codec (CI saw a norm of 3e-10 over a stage's gradients); ten such steps, then real work."""
+    bound = NormBound(CFG)
+    numel = 30_000
+    for _ in range(10):
+        assert bound.admit(3e-10, numel) is None
+    assert bound.median is None
+    assert [bound.admit(n, numel) for n in (0.17, 0.2, 0.15)] == [None, None, None]
+    assert bound.median == 0.17
+    assert bound.admit(3e-10, numel) is None and bound.median == 0.17  # the residue moves nothing
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [

@@ -17,8 +17,10 @@ A value (one tensor or a list) is judged by its L2 norm `n`, computed in fp32, a
 3. After `warmup` accepted values, `n <= factor * median` of the last `window` accepted
    norms, with `factor` for activations and the looser `grad_factor` for gradient streams.
 An accepted value's norm joins the window; a refused one's does not, so a run of absurd
-values cannot move the median. A zero norm (a replica that summed no microbatch) is
-accepted and not recorded. `NormBound` is pure arithmetic on floats; `tensor_norm` is the
+values cannot move the median. A value whose RMS is below `min_recorded_rms` (a zero norm:
+a replica that summed no microbatch; or nearly zero: the error-feedback residue such a
+replica still sends through a lossy codec) is accepted and not recorded, so steps without
+work cannot set a median that real work then exceeds. `NormBound` is pure arithmetic on floats; `tensor_norm` is the
 one place that touches tensors.
 """
 
@@ -64,6 +66,10 @@ class BoundsConfig:
     refuses a healthy value, even before the median exists; it refuses 1e30 at once. It also
     keeps every element below 1e6 * sqrt(numel), whose square is finite in fp32."""
 
+    min_recorded_rms: float = 1e-9
+    """Values with a smaller RMS are accepted without joining the median: they carry no work
+    (a healthy gradient's RMS is many orders above this; such a value is harmless)."""
+
     def __post_init__(self):
         if self.window < 1 or not 0 <= self.warmup <= self.window:
             raise ValueError(
@@ -106,7 +112,7 @@ class NormBound:
         median = self.median
         if median is not None and median > 0 and norm > self.factor * median:
             return f"its norm {norm:.3g} exceeds {self.factor:.3g} x the recent median {median:.3g}"
-        if norm > 0:
+        if rms >= cfg.min_recorded_rms:
             self._norms.append(norm)
             self._accepted += 1
         return None
