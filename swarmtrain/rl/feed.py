@@ -196,7 +196,11 @@ class RolloutFeed:
                 )
                 read_at = time.monotonic()
             now = time.monotonic()
-            free = [p for p in peers if p not in self._busy and self._resting.get(p, 0) <= now]
+            free = [  # a peer banned since the last read is asked nothing more
+                p
+                for p in peers
+                if p not in self._busy and p not in self.banned and self._resting.get(p, 0) <= now
+            ]
             for peer in free:
                 count = self._prompts_wanted(len(peers))
                 if count <= 0:

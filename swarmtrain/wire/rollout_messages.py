@@ -136,12 +136,12 @@ def decode_reply(
                 f"rollout reply: {name} must be ({rows},) {str(dtype).removeprefix('torch.')}"
             )
     if bool(((lengths < 1) | (lengths > M)).any()):
-        raise BadFrameError(f"rollout reply: every completion must have 1..{M} tokens")
+        raise BadFrameError(f"rollout reply: lengths must be in 1..{M} (the tokens of each completion)")
     if bool(((ids < 0) | (ids >= vocab_size)).any()):
-        raise BadFrameError(f"rollout reply: completion token ids must be in [0, {vocab_size})")
+        raise BadFrameError(f"rollout reply: completions must hold token ids in [0, {vocab_size})")
     if not bool(torch.isfinite(lps).all()) or bool((lps > 1e-4).any()):
         raise BadFrameError(
-            "rollout reply: behaviour log-probs must be finite and <= 0 (logs of probabilities)"
+            "rollout reply: logprobs must be finite and <= 0 (behaviour log-probs: logs of probabilities)"
         )
     if not bool(torch.isfinite(rewards).all()):
         raise BadFrameError("rollout reply: rewards must be finite")
