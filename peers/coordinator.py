@@ -142,6 +142,10 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
     model.loss_input_specs(config.loss)
     if config.rl is not None:
         _check_rl(config.rl, config.loss, model.input_shape[0])
+    elif (config.loss or "").startswith("grpo"):
+        raise ConfigError(
+            f"loss {config.loss!r} trains on rollout peers' completions: name the run's task too (--task add)"
+        )
     return RunManifest(
         run_id=config.run_id,
         model=config.model,

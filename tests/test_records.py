@@ -245,7 +245,9 @@ def test_the_coordinator_publishes_the_loss_it_checked():
     m = make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="weighted_cross_entropy"))
     assert m.loss == "weighted_cross_entropy"
     assert make_manifest(CoordinatorConfig(model_config=small, num_stages=2)).loss is None
-    with pytest.raises(ConfigError, match=r"unknown loss 'grpo': registered losses are 'cross_entropy'"):
+    with pytest.raises(ConfigError, match=r"unknown loss 'focal': registered losses are 'cross_entropy'"):
+        make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="focal"))
+    with pytest.raises(ConfigError, match=r"loss 'grpo' trains on rollout peers' completions: .*--task"):
         make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="grpo"))
     with pytest.raises(ConfigError, match=r"invalid loss name 'bad name'.*--loss cross_entropy"):
         CoordinatorConfig(loss="bad name")
@@ -352,3 +354,32 @@ def test_per_boundary_lists_must_fit_the_stages():
         CompressionConfig(gradients="int8,zstd")
     with pytest.raises(ConfigError, match=r"unknown codec '' for averaging at stage 1 of 'int8,'"):
         CompressionConfig(averaging="int8,")
+
+
+def test_an_rl_manifest_round_trips_and_its_settings_are_checked():
+    from swarmtrain.wire.rl_config import RLConfig
+
+    rl = RLConfig(task="add", task_options={"digits": 2}, samples_per_prompt=4, max_staleness=1)
+    m = RunManifest(
+        run_id="rl", model="tiny-gpt", num_blocks=2, stage_bounds=(0, 1, 2), loss="grpo", rl=rl,
+        batch=BatchConfig(microbatch_size=8, microbatches_per_step=2),
+    )  # fmt: skip
+    again = RunManifest.from_dict(m.to_dict())
+    assert again == m and again.rl.prompts_per_step(16) == 4
+    with pytest.raises(ConfigError, match="an RL run must name its GRPO loss"):
+        RunManifest(run_id="rl", model="tiny-gpt", num_blocks=2, stage_bounds=(0, 2), rl=rl)
+    with pytest.raises(ConfigError, match="not a multiple of samples_per_prompt=3"):
+        RunManifest(
+            run_id="rl", model="tiny-gpt", num_blocks=2, stage_bounds=(0, 2), loss="grpo",
+            rl=RLConfig(task="add", samples_per_prompt=3),
+        )  # fmt: skip
+    for bad, match in (
+        ({"samples_per_prompt": 1}, "samples_per_prompt must be an integer in 2..1024"),
+        ({"max_staleness": -1}, "max_staleness must be an integer in 0..1000"),
+        ({"weights_codec": "zip"}, "weights_codec must be 'none', 'bf16' or 'int8'"),
+        ({"task": ""}, "task must be a task name or import path"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            RLConfig.from_dict({"task": "add", **bad})
+    with pytest.raises(ConfigError, match="rl: unknown field"):
+        RLConfig.from_dict({"task": "add", "temperature": 2})

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.wire.run_config import _from_dict, _is_int, _is_number
+from swarmtrain.wire.run_config import _from_dict, _is_int
 
 MAX_TASK_CHARS = 200
 
@@ -31,9 +31,6 @@ class RLConfig:
     max_staleness: int = 2
     """A completion sampled by policy version v trains step s only if s - v <= this; older ones
     are dropped and counted (`--max-staleness`)."""
-    verify_fraction: float = 0.25
-    """Fraction of completions whose behaviour log-probs a trainer re-checks against the
-    policy version that sampled them (its rewards it always recomputes)."""
     weights_codec: str = "none"
     """How rollout peers fetch policy versions: 'none' (exact), 'bf16' or 'int8'."""
 
@@ -50,10 +47,6 @@ class RLConfig:
         if not _is_int(self.max_staleness) or not 0 <= self.max_staleness <= 1000:
             raise ConfigError(
                 f"rl: max_staleness must be an integer in 0..1000, got {self.max_staleness!r} (--max-staleness)"
-            )
-        if not _is_number(self.verify_fraction) or not 0 <= self.verify_fraction <= 1:
-            raise ConfigError(
-                f"rl: verify_fraction must be a number in [0, 1], got {self.verify_fraction!r} (--verify-fraction)"
             )
         if self.weights_codec not in ("none", "bf16", "int8"):
             raise ConfigError(
