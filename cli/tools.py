@@ -175,7 +175,9 @@ def demo(
     stages: Annotated[
         int, typer.Option(help="Pipeline stages, 1 to n_layer; one stage peer process is started per stage.")
     ] = 3,
-    steps: Annotated[int, typer.Option(help="Optimizer steps to train.")] = 120,
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="Optimizer steps to train.", show_default="120; 40 with --rl")
+    ] = None,
     model_config: Annotated[
         str,
         typer.Option(
@@ -210,15 +212,30 @@ def demo(
         bool, typer.Option("--json", help="Print a machine-readable summary (JSON) on stdout at the end.")
     ] = False,
     swarm_key: SwarmKeyPath = None,
+    rl: Annotated[
+        bool,
+        typer.Option(
+            "--rl",
+            help="RL instead: a short supervised warm-up on 2-digit addition in this process, then GRPO "
+            "through a swarm of 2 stage peers and 2 rollout peers; reports held-out accuracy after each.",
+        ),
+    ] = False,
 ) -> None:
     """Run a whole swarm on this machine: a coordinator, N stage peers and a trainer,
     each its own process on 127.0.0.1, training tiny-gpt on Python's standard library."""
     from swarmtrain.peers.demo import DemoConfig, run_demo
 
     def main() -> None:
+        if rl:
+            from swarmtrain.peers.rl_demo import RLDemoConfig, run_rl_demo
+
+            summary = run_rl_demo(RLDemoConfig(steps=steps or 40), quiet=as_json)
+            if as_json:
+                typer.echo(json.dumps(summary, indent=2))
+            return
         config = DemoConfig(
             num_stages=stages,
-            steps=steps,
+            steps=steps or 120,
             model_config=parse_model_config(model_config),
             microbatch_size=microbatch_size,
             microbatches_per_step=microbatches_per_step,
