@@ -2,9 +2,10 @@
 
     python -m swarmtrain.rl.local --task add --json
 
-1. Warm-up: `warmup_steps` AdamW steps of 'weighted_cross_entropy' on train prompts with their
-   answers (`swarmtrain.rl.tasks.warmup_batch`), short on purpose: the policy should be right
-   sometimes, not always, so that GRPO's groups hold both rewards.
+1. Warm-up: AdamW steps of 'weighted_cross_entropy' on train prompts with their answers
+   (`swarmtrain.rl.tasks.warmup_batch`), until greedy accuracy on train prompts reaches
+   `warmup_target` (or `warmup_steps` at most): short on purpose, the policy should be right
+   sometimes, not mostly, so that GRPO's groups hold both rewards.
 2. GRPO: each step samples G completions of `prompts_per_step` train prompts from the current
    policy (on-policy, one optimizer step per batch of rollouts), scores them from their text,
    normalises rewards within groups, and takes one AdamW step on the GRPO loss.
@@ -29,7 +30,7 @@ import torch
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model, get_loss
 from swarmtrain.model.swarm_model import SwarmModel
-from swarmtrain.rl.generate import SamplingConfig, accuracy, rollout, train_prompts
+from swarmtrain.rl.generate import SamplingConfig, accuracy, greedy_accuracy, rollout, train_prompts
 from swarmtrain.rl.grpo import GRPOConfig, group_advantages, grpo_loss_fn, grpo_microbatch
 from swarmtrain.rl.registry import build_task
 from swarmtrain.rl.tasks import Task, warmup_batch
@@ -50,8 +51,12 @@ class LocalConfig:
     """tiny-gpt options (GPTConfig fields)."""
     seed: int = 0
     """Seeds the init, the prompts and the sampling."""
-    warmup_steps: int = 550
-    """Supervised steps before GRPO."""
+    warmup_steps: int = 1000
+    """Most supervised steps before GRPO."""
+    warmup_target: float = 0.2
+    """The warm-up stops early once greedy accuracy on train prompts reaches this (1: never)."""
+    warmup_check_every: int = 50
+    """Steps between those checks."""
     warmup_batch_size: int = 64
     """Sequences per supervised step."""
     warmup_lr: float = 3e-3
@@ -76,6 +81,7 @@ class LocalConfig:
     def __post_init__(self):
         for name in (
             "warmup_batch_size",
+            "warmup_check_every",
             "prompts_per_step",
             "samples_per_prompt",
             "eval_prompts",
@@ -104,6 +110,8 @@ class LocalResult:
     cpu_seconds / threads bounds what the wall time would be on idle cores."""
     warmup_seconds: float
     """Wall time of the warm-up and its evaluation."""
+    warmup_steps: int
+    """Supervised steps the warm-up took."""
     mean_rewards: list[float]
     """Mean sampled reward of each GRPO step's rollouts."""
     losses: list[float]
@@ -118,14 +126,22 @@ def _step(model: SwarmModel, opt: torch.optim.Optimizer, loss: torch.Tensor, max
     opt.step()
 
 
-def warmup(model: SwarmModel, task: Task, cfg: LocalConfig, rng: random.Random) -> None:
-    """`cfg.warmup_steps` supervised steps on the task's answers (answer tokens weighted only)."""
+def warmup(model: SwarmModel, task: Task, cfg: LocalConfig, rng: random.Random) -> int:
+    """Supervised steps on the task's answers (answer tokens weighted only), `cfg.warmup_steps`
+    at most, stopping once greedy accuracy on `cfg.eval_prompts` train prompts (checked every
+    `cfg.warmup_check_every` steps) reaches `cfg.warmup_target`: where an addition model's
+    accuracy takes off varies by seed, and GRPO needs a policy right sometimes, not mostly.
+    The held-out split is never looked at. Returns the steps taken."""
     loss = get_loss("weighted_cross_entropy")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr)
-    model.train()
-    for _ in range(cfg.warmup_steps):
+    checks = train_prompts(task, cfg.eval_prompts, random.Random(f"{cfg.seed}-warmup-checks"))
+    for step in range(1, cfg.warmup_steps + 1):
+        model.train()
         x, inputs = warmup_batch(task, rng, batch_size=cfg.warmup_batch_size, seq_len=model.input_shape[0])
         _step(model, opt, loss(model(x), inputs), cfg.max_grad_norm)
+        if step % cfg.warmup_check_every == 0 and greedy_accuracy(model, task, checks) >= cfg.warmup_target:
+            return step
+    return cfg.warmup_steps
 
 
 def grpo_step(
@@ -175,7 +191,7 @@ def _run(cfg: LocalConfig) -> LocalResult:
     model.materialise(cfg.seed)
     rng = random.Random(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    warmup(model, task, cfg, rng)
+    warmup_steps = warmup(model, task, cfg, rng)
     warmup_accuracy = accuracy(model, task, cfg.eval_prompts)
     warmup_seconds = time.perf_counter() - start
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -190,6 +206,7 @@ def _run(cfg: LocalConfig) -> LocalResult:
         seconds=time.perf_counter() - start,
         cpu_seconds=time.process_time() - cpu_start,
         warmup_seconds=warmup_seconds,
+        warmup_steps=warmup_steps,
         mean_rewards=mean_rewards,
         losses=losses,
     )
@@ -205,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--warmup-lr", type=float, default=d.warmup_lr)
+    p.add_argument("--warmup-target", type=float, default=d.warmup_target)
     p.add_argument("--grpo-steps", type=int, default=d.grpo_steps)
     p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
     p.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt)
@@ -221,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=a.seed,
         warmup_steps=a.warmup_steps,
         warmup_lr=a.warmup_lr,
+        warmup_target=a.warmup_target,
         grpo_steps=a.grpo_steps,
         prompts_per_step=a.prompts_per_step,
         samples_per_prompt=a.samples_per_prompt,
