@@ -11,8 +11,14 @@
    normalises rewards within groups, and takes one AdamW step on the GRPO loss.
 3. Held-out greedy accuracy (`swarmtrain.rl.generate.accuracy`) after each phase.
 
-This is what the swarm's RL runs are checked against, and the recipe in RECIPE.md. Measured
-with the defaults (tiny-gpt 2 x 64, add with 2 digits, 2 CPU threads): see RECIPE.md.
+This is what the swarm's RL runs are checked against. Measured with the defaults (tiny-gpt
+2 x 64, add with 2 digits, 2 CPU threads; RECIPE.md has the settings and reasons), held-out
+greedy accuracy after warm-up -> after 200 GRPO steps, and the whole run's wall time on a
+2-core machine busy with other work:
+
+    seed 0: 0.240 -> 0.680 (+0.44), 414 s (305 s CPU)
+    seed 1: 0.253 -> 0.630 (+0.38), 277 s (220 s CPU)
+    seed 2: 0.213 -> 0.650 (+0.44), 283 s (231 s CPU)
 """
 
 from __future__ import annotations
