@@ -187,8 +187,8 @@ CASES = {
         ),
     ),
     "loss-unknown": Case(
-        ("coordinator", "--loss", "grpo"),
-        ("unknown loss 'grpo'", "'cross_entropy', 'weighted_cross_entropy'", "--loss"),
+        ("coordinator", "--loss", "focal"),
+        ("unknown loss 'focal'", "'cross_entropy', 'weighted_cross_entropy'", "--loss"),
     ),
     "loss-invalid": Case(("coordinator", "--loss", "bad name"), ("invalid loss name 'bad name'", "--loss")),
     "demo-compress-unknown": Case(

@@ -298,12 +298,12 @@ def test_registered_losses_and_their_inputs():
     }
     with pytest.raises(
         ConfigError,
-        match=r"unknown loss 'grpo': registered losses are 'cross_entropy', .*'weighted_cross_entropy' "
+        match=r"unknown loss 'focal': registered losses are 'cross_entropy', .*'weighted_cross_entropy' "
         r"\(--loss\); register another with @register_loss",
     ):
-        model.loss_input_specs("grpo")
-    with pytest.raises(ConfigError, match="unknown loss 'grpo'"):
-        build_stage(GPT, CFG, 0, 2, seed=0, loss="grpo")
+        model.loss_input_specs("focal")
+    with pytest.raises(ConfigError, match="unknown loss 'focal'"):
+        build_stage(GPT, CFG, 0, 2, seed=0, loss="focal")
 
 
 def test_weighted_cross_entropy_against_a_hand_computation():

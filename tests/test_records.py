@@ -245,8 +245,8 @@ def test_the_coordinator_publishes_the_loss_it_checked():
     m = make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="weighted_cross_entropy"))
     assert m.loss == "weighted_cross_entropy"
     assert make_manifest(CoordinatorConfig(model_config=small, num_stages=2)).loss is None
-    with pytest.raises(ConfigError, match=r"unknown loss 'grpo': registered losses are 'cross_entropy'"):
-        make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="grpo"))
+    with pytest.raises(ConfigError, match=r"unknown loss 'focal': registered losses are 'cross_entropy'"):
+        make_manifest(CoordinatorConfig(model_config=small, num_stages=2, loss="focal"))
     with pytest.raises(ConfigError, match=r"invalid loss name 'bad name'.*--loss cross_entropy"):
         CoordinatorConfig(loss="bad name")
 
