@@ -221,6 +221,7 @@ def test_grpo_steps_change_the_weights_from_rewards_the_task_computes():
     cfg = LocalConfig(
         model=TINY_GPT,
         warmup_steps=60,
+        warmup_target=1.0,
         warmup_batch_size=32,
         warmup_lr=3e-3,
         prompts_per_step=8,

@@ -99,7 +99,9 @@ def hf_model_of(model: SwarmModel) -> nn.Module:
     SwarmModel's own parameter tensors (shared, not copied), with untied embeddings.
 
     Built once per SwarmModel (on the meta device, then given the shared parameters; the rotary
-    embedding, a constant of the config, is rebuilt on the parameters' device). Raises
+    embedding, a constant of the config, is rebuilt on the parameters' device). In-place
+    updates of the parameters (optimizer steps, `load_state_dict`) are seen; a parameter
+    replaced by another tensor object after the first call is not. Raises
     ConfigError if the model's parameters do not map one to one onto the transformers model's.
     """
     view = _HF_VIEWS.get(model)

@@ -194,13 +194,17 @@ def rollout(
     return score(task, trajectories)
 
 
-def accuracy(model: SwarmModel, task: Task, n: int, *, seed: int = 0) -> float:
-    """Held-out greedy accuracy: the mean reward of greedy completions of `n` distinct held-out
-    prompts (`Task.held_out_prompts(n, seed=seed)`)."""
-    prompts = task.held_out_prompts(n, seed=seed)
+def greedy_accuracy(model: SwarmModel, task: Task, prompts: list[str]) -> float:
+    """The mean reward of greedy completions of `prompts`."""
     cfg = SamplingConfig(samples_per_prompt=1, temperature=0.0, max_new_tokens=task.max_new_tokens)
     scored = rollout(model, task, prompts, cfg)
     return sum(t.reward for t in scored) / len(scored)
+
+
+def accuracy(model: SwarmModel, task: Task, n: int, *, seed: int = 0) -> float:
+    """Held-out greedy accuracy: the mean reward of greedy completions of `n` distinct held-out
+    prompts (`Task.held_out_prompts(n, seed=seed)`)."""
+    return greedy_accuracy(model, task, task.held_out_prompts(n, seed=seed))
 
 
 def train_prompts(task: Task, n: int, rng: random.Random) -> list[str]:
