@@ -36,16 +36,20 @@ class RLDemoConfig:
     task: str = "add"
     task_options: dict = field(default_factory=lambda: {"digits": 2})
     model_config: dict = field(default_factory=lambda: dict(DEFAULT_MODEL))
-    warmup_steps: int = 550
-    """Supervised steps in this process before the swarm starts (short on purpose)."""
+    warmup_steps: int = 1000
+    """Most supervised steps in this process before the swarm starts; the warm-up stops
+    sooner, once greedy accuracy on train prompts reaches `warmup_target` (short on purpose:
+    GRPO needs a policy that is right sometimes, not mostly)."""
+    warmup_target: float = 0.2
     warmup_lr: float = 3e-3
-    steps: int = 40
+    steps: int = 100
     """GRPO steps through the swarm."""
     num_stages: int = 2
     rollout_peers: int = 2
     samples_per_prompt: int = 8
-    prompts_per_step: int = 16
+    prompts_per_step: int = 64
     lr: float = 3e-4
+    max_grad_norm: float = 1.0
     eval_prompts: int = 400
     seed: int = 0
 
@@ -60,11 +64,13 @@ class RLDemoConfig:
 
     @property
     def batch(self) -> BatchConfig:
-        """A step's prompts x G completions, in microbatches of one prompt's group each."""
+        """A step's prompts x G completions, in 8 microbatches (or one per prompt's group)."""
+        per_step = self.prompts_per_step * self.samples_per_prompt
+        microbatches = 8 if self.prompts_per_step % 8 == 0 else self.prompts_per_step
         return BatchConfig(
-            microbatch_size=self.samples_per_prompt,
-            microbatches_per_step=self.prompts_per_step,
-            max_in_flight=min(8, self.prompts_per_step),
+            microbatch_size=per_step // microbatches,
+            microbatches_per_step=microbatches,
+            max_in_flight=microbatches,
         )
 
 
@@ -80,12 +86,19 @@ def run_rl_demo(config: RLDemoConfig, *, quiet: bool = False) -> dict:
         task_options=config.task_options,
         model=config.model_config,
         warmup_steps=config.warmup_steps,
+        warmup_target=config.warmup_target,
         warmup_lr=config.warmup_lr,
+        seed=config.seed,
     )
-    console.print(f"warm-up: {config.warmup_steps} supervised steps on {config.task!r} in this process")
-    warmup(model, task, local, random.Random(config.seed))
+    console.print(
+        f"warm-up on {config.task!r} in this process, until greedy accuracy on train prompts reaches "
+        f"{config.warmup_target} (at most {config.warmup_steps} steps)"
+    )
+    warmup_steps = warmup(model, task, local, random.Random(config.seed)) if config.warmup_steps else 0
     warm_accuracy = accuracy(model, task, config.eval_prompts)
-    console.print(f"held-out accuracy after the warm-up: {warm_accuracy:.3f} ({time.monotonic() - t0:.0f} s)")
+    console.print(
+        f"held-out accuracy after {warmup_steps} warm-up steps: {warm_accuracy:.3f} ({time.monotonic() - t0:.0f} s)"
+    )
 
     with tempfile.TemporaryDirectory(prefix="swarmtrain-rl-demo-") as tmp:
         warm = save_model(model, Path(tmp) / "warm", builder="tiny-gpt", config=config.model_config)
@@ -95,7 +108,9 @@ def run_rl_demo(config: RLDemoConfig, *, quiet: bool = False) -> dict:
             num_stages=config.num_stages,
             loss="grpo",
             batch=config.batch,
-            optimizer=OptimizerConfig(name="adamw", lr=config.lr, weight_decay=0.0),
+            optimizer=OptimizerConfig(
+                name="adamw", lr=config.lr, weight_decay=0.0, max_grad_norm=config.max_grad_norm
+            ),
             seed=config.seed,
             log_dir=str(Path(tmp) / "logs"),
             coordinator_args=(
@@ -120,6 +135,7 @@ def run_rl_demo(config: RLDemoConfig, *, quiet: bool = False) -> dict:
     return {
         "task": config.task,
         "task_options": config.task_options,
+        "warmup_steps": warmup_steps,
         "warmup_accuracy": warm_accuracy,
         "final_accuracy": final_accuracy,
         "gain": final_accuracy - warm_accuracy,
