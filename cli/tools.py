@@ -176,7 +176,7 @@ def demo(
         int, typer.Option(help="Pipeline stages, 1 to n_layer; one stage peer process is started per stage.")
     ] = 3,
     steps: Annotated[
-        int | None, typer.Option(min=1, help="Optimizer steps to train.", show_default="120; 100 with --rl")
+        int | None, typer.Option(min=1, help="Optimizer steps to train.", show_default="120; 200 with --rl")
     ] = None,
     model_config: Annotated[
         str,
@@ -229,7 +229,7 @@ def demo(
         if rl:
             from swarmtrain.peers.rl_demo import RLDemoConfig, run_rl_demo
 
-            summary = run_rl_demo(RLDemoConfig(steps=steps or 100), quiet=as_json)
+            summary = run_rl_demo(RLDemoConfig(steps=steps or 200), quiet=as_json)
             if as_json:
                 typer.echo(json.dumps(summary, indent=2))
             return

@@ -42,7 +42,7 @@ class RLDemoConfig:
     GRPO needs a policy that is right sometimes, not mostly)."""
     warmup_target: float = 0.2
     warmup_lr: float = 3e-3
-    steps: int = 100
+    steps: int = 200
     """GRPO steps through the swarm."""
     num_stages: int = 2
     rollout_peers: int = 2

@@ -12,6 +12,7 @@ background it follows the run: whenever the stages serve a newer version it fetc
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -152,23 +153,26 @@ class RolloutPeer:
         )
 
     async def _update(self, source, fetch: FetchConfig) -> bool:
-        """Take the newest version the stages serve if it is newer than ours; True if we hold one."""
-        try:
-            newest = await latest_version(source)
-            if newest is not None and newest > self.worker.version:
-                state, stats = await fetch_version(source, newest, fetch)
-                await asyncio.get_running_loop().run_in_executor(
-                    None,
-                    lambda: self.worker.install(
-                        state, stats.version, wire_bytes=stats.wire_bytes, seconds=stats.seconds
-                    ),
-                )
-                logger.info(
-                    "policy version %d: %.2f MB in %.2f s",
-                    stats.version,
-                    stats.wire_bytes / 1e6,
-                    stats.seconds,
-                )
-        except RemoteError as e:  # a replica moved on or left mid-fetch: the next look tries again
-            logger.debug("policy version not taken: %s", e)
+        """Take a newer version than ours if the stages serve one: the one a trainer last asked
+        for (it exists; the DHT records may lag by a heartbeat), else the newest the records
+        show. True once we hold any."""
+        latest = await latest_version(source)
+        for version in sorted({self.worker.wanted, -1 if latest is None else latest}, reverse=True):
+            if version <= self.worker.version:
+                break
+            try:
+                state, stats = await fetch_version(source, version, fetch)
+            except (
+                RemoteError
+            ) as e:  # not applied yet, or a replica moved on mid-fetch: the next look tries again
+                logger.debug("policy version %d not taken: %s", version, e)
+                continue
+            install = functools.partial(
+                self.worker.install, state, stats.version, wire_bytes=stats.wire_bytes, seconds=stats.seconds
+            )
+            await asyncio.get_running_loop().run_in_executor(None, install)
+            logger.info(
+                "policy version %d: %.2f MB in %.2f s", stats.version, stats.wire_bytes / 1e6, stats.seconds
+            )
+            break
         return self.worker.version >= 0

@@ -90,6 +90,8 @@ class RolloutWorker:
         self.max_len = model.input_shape[0]
         self.reward = task.reward
         """What this peer claims a completion earns (the task's reward; trainers check it)."""
+        self.wanted = -1
+        """The newest version a trainer asked for: it exists, though the DHT may not say so yet."""
 
     # policy versions
 
@@ -184,6 +186,7 @@ class RolloutWorker:
         except BadFrameError as e:
             self.strike(caller, str(e))
             return self._refuse(f"rollout peer rejected the request: {e}", Cause.BAD_FRAME)
+        self.wanted = max(self.wanted, request.min_version)
         if self.version < request.min_version:
             return self._refuse(
                 f"this rollout peer holds policy version {self.version}, behind the {request.min_version} "
