@@ -74,3 +74,55 @@ def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_a_liar(local_sw
     for report in reports:
         assert 0 <= report["policy_lag"] <= 2, reports  # nothing staler than --max-staleness trained
         assert 0 <= report["reward"] <= 1
+
+
+def test_grpo_trains_a_hugging_face_policy_through_the_swarm(local_swarm, tmp_path):
+    """Part of the run's machinery is model-specific (cached decoding, the loss over its
+    logits): the same RL run on a small random GPT-2 folder, warmed up until it is right
+    sometimes. Its loss is finite, its gradient non-zero, its versions follow the steps, and
+    the weights move."""
+    import transformers
+
+    from tests.hf_models import CONFIGS, HF, T
+
+    folder = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["gpt2"]()).save_pretrained(folder)
+    config = {"path": str(folder), "seq_len": T}
+    task = build_task("add", {"digits": 1})
+    model = build_model(HF, config, device="cpu")
+    cfg = LocalConfig(model={}, warmup_steps=150, warmup_batch_size=64, warmup_lr=3e-3, warmup_target=0.3)
+    warmup(model, task, cfg, random.Random(0))
+    save_model(model, tmp_path / "warm", builder=HF, config=config)
+
+    swarm = local_swarm(
+        model=HF,
+        model_config=config,
+        num_stages=2,
+        loss="grpo",
+        batch=BatchConfig(microbatch_size=8, microbatches_per_step=2, max_in_flight=2),
+        optimizer=OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.0),
+        coordinator_args=(
+            "--task", "add", "--task-options", '{"digits": 1}', "--samples-per-prompt", "4",
+            "--init-from", str(tmp_path / "warm"), "--checkpoint-every", "0",
+        ),
+    )  # fmt: skip
+    rollout = swarm.spawn_rollout()
+    with swarm.trainer() as trainer:
+        before = trainer.fetch_states()
+        feed = RolloutFeed(trainer)
+        results = list(trainer.train(feed, steps=4))
+        after = trainer.fetch_states()
+        wait_until(
+            lambda: any(
+                r.peer_id == swarm.wait_ready(rollout) and r.step == 4 for r in trainer.node.peers("demo")
+            ),
+            timeout_s=30,
+            what="the rollout peer to take version 4",
+        )
+    assert [r.step for r in results] == [0, 1, 2, 3]
+    assert all(math.isfinite(r.loss) for r in results)
+    assert any(r.grad_norm for r in results), [r.grad_norm for r in results]
+    assert any(feed.report(r.step)["reward"] > 0 for r in results)
+    moved = [k for k in before[1] if not torch.equal(before[1][k], after[1][k])]
+    assert moved, "no parameter of the last stage changed"

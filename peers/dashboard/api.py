@@ -41,7 +41,9 @@ class PeerView(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     peer_id: str
-    role: str = Field(description="coordinator, stage or trainer.")
+    role: str = Field(
+        description="coordinator, stage, trainer or rollout (an RL run's: its step is the policy version it samples with, served the completions it sent)."
+    )
     stage: int = Field(description="Stage served; -1 for other roles.")
     state: str = Field(description="What the peer says: joining, serving, draining, lost or finished.")
     status: str = Field(

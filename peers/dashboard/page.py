@@ -156,17 +156,18 @@ function renderMap(view) {
 
 function peerRow(r, now) {
   const stage = r.role === "stage";
+  const works = stage || r.role === "rollout";  // a rollout peer: completions sampled, policy version
   return `<tr class="${esc(r.status)}" data-peer="${esc(r.peer_id)}" title="${esc(r.peer_id)}">
     <td class="id">${esc(short(r.peer_id))}</td><td>${esc(r.role)}</td>
     <td class="num">${r.stage >= 0 ? r.stage : ""}</td>
     <td class="state" data-col="status">${esc(r.status)}</td><td>${esc(device(r))}</td>
     <td class="num">${memory(r)}</td><td class="num">${stage ? r.queue_depth : ""}</td>
     <td class="num">${ms(r.service_s)}</td>
-    <td class="num" data-col="served">${stage ? r.served : ""}</td><td class="num">${stage ? r.replayed : ""}</td>
+    <td class="num" data-col="served">${works ? r.served : ""}</td><td class="num">${stage ? r.replayed : ""}</td>
     <td class="num">${stage ? r.failed : ""}</td><td class="num">${stage ? bytes(r.bytes_sent) : ""}</td>
-    <td class="num">${stage ? bytes(r.bytes_received) : ""}</td>
+    <td class="num">${works ? bytes(r.bytes_received) : ""}</td>
     <td class="num">${r.compression ? r.compression.toFixed(2) + "&times;" : ""}</td>
-    <td class="num">${stage ? r.step : ""}</td>
+    <td class="num">${works ? r.step : ""}</td>
     <td class="num">${r.status === "gone" ? "gone" : r.since ? ago(now - r.since) : ""}</td></tr>`;
 }
 
