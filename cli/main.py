@@ -145,6 +145,14 @@ def join(
             "and those before it (kept in memory, once a rollout peer asked).",
         ),
     ] = 2,
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            help="Rollout peers: keep the policy's Linear weights quantized, 8bit or 4bit (bitsandbytes), "
+            "to fit a small GPU.",
+            show_default="full precision",
+        ),
+    ] = None,
     inject_fault: Annotated[
         str | None,
         typer.Option(
@@ -176,6 +184,10 @@ def join(
             raise ConfigError(f"--role must be 'stage' or 'rollout', got {role!r}")
         if role == "rollout":
             return _join_rollout()
+        if quantize is not None:
+            raise ConfigError(
+                "--quantize is for rollout peers (--role rollout); a stage trains in full precision"
+            )
         config = StageConfig(
             node=NodeConfig(
                 initial_peers=tuple(initial_peers),
@@ -216,6 +228,9 @@ def join(
 
     def _join_rollout() -> None:
         from swarmtrain.peers.rollout import RolloutConfig, RolloutPeer
+        from swarmtrain.rl.quantize import check_mode
+
+        check_mode(quantize)
 
         config = RolloutConfig(
             node=NodeConfig(
@@ -229,6 +244,9 @@ def join(
             device=resolve_device(gpu),
             num_threads=threads,
             models=ModelSources(allow=tuple(allow_model or ())),
+            quantize=quantize,
+            slowdown=slowdown,
+            max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
             fault=inject_fault,
         )
         peer = RolloutPeer(config)

@@ -27,6 +27,7 @@ from swarmtrain.model import ModelSources, build_model
 from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.self_measure import device_label
 from swarmtrain.rl.grpo import grpo_config
+from swarmtrain.rl.quantize import check_mode, parameter_bytes, quantize_model
 from swarmtrain.rl.registry import TaskSources, build_task
 from swarmtrain.rl.weights import FetchConfig, fetch_version, latest_version, swarm_source
 from swarmtrain.rl.worker import RolloutWorker
@@ -51,6 +52,13 @@ class RolloutConfig:
     """Seconds between looks for a newer policy version."""
     wait_for_stages_s: float = 120.0
     """Longest wait at start for every stage to serve a version."""
+    quantize: str | None = None
+    """'8bit' or '4bit': keep both policy copies' Linear weights quantized (bitsandbytes), to fit
+    a small GPU (`swarmtrain.rl.quantize`)."""
+    slowdown: float = 1.0
+    """Sampling takes this many times longer (emulates a slower GPU)."""
+    max_memory_bytes: int | None = None
+    """Memory this peer may use: it refuses to start if the two policy copies need more."""
     fault: str | None = None
     """Testing: 'lie' claims reward 1 for every completion (trainers must ban this peer)."""
 
@@ -71,10 +79,20 @@ class RolloutPeer:
                 "join it as a stage peer instead (leave out --role rollout)"
             )
         self.task = build_task(m.rl.task, m.rl.task_options, config.tasks)
-        models = [
-            build_model(m.model, m.model_config, device=config.device, sources=config.models)
-            for _ in range(2)
-        ]
+        check_mode(config.quantize)
+        models = []
+        for _ in range(2):
+            model = build_model(m.model, m.model_config, device=config.device, sources=config.models)
+            models.append(model if config.quantize is None else quantize_model(model, config.quantize))
+        self.policy_bytes = parameter_bytes(models[0])
+        """Bytes one policy copy's parameters take (the peer holds two)."""
+        if config.max_memory_bytes is not None and 2 * self.policy_bytes > config.max_memory_bytes:
+            self.node.shutdown()
+            raise ConfigError(
+                f"run {m.run_id!r}: two copies of its policy need {2 * self.policy_bytes / 2**20:.1f} MiB, "
+                f"more than --max-memory {config.max_memory_bytes / 2**20:.1f} MiB"
+                + ("" if config.quantize == "4bit" else "; --quantize 8bit or 4bit shrinks them")
+            )
         self.worker = RolloutWorker(
             run_id=m.run_id,
             model=models[0],
@@ -83,6 +101,8 @@ class RolloutPeer:
             temperature=grpo_config(m.loss).temperature,
             authorized=lambda peer: not m.trainers or peer in m.trainers,
             version=-1,
+            quantize=config.quantize,
+            slowdown=lambda: config.slowdown,
         )
         if config.fault is not None:
             if config.fault != "lie":
@@ -98,7 +118,8 @@ class RolloutPeer:
             peer_id=self.node.peer_id,
             role="rollout",
             state=state,
-            device=device_label(self.config.device),
+            device=device_label(self.config.device)
+            + ("" if self.config.quantize is None else f" ({self.config.quantize})"),
             version=swarmtrain.__version__,
             served=s.samples,
             step=max(self.worker.version, 0),

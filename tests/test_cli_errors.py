@@ -131,6 +131,14 @@ CASES = {
         ("join", "--initial-peers", "{nobody}", "--gpu", "tpu"),
         ("'tpu' is not a device", "auto, cpu, cuda or cuda:N"),
     ),
+    "quantize-stage": Case(
+        ("join", "--initial-peers", "{nobody}", "--quantize", "8bit"),
+        ("--quantize is for rollout peers", "--role rollout"),
+    ),
+    "quantize-unknown": Case(
+        ("join", "--initial-peers", "{nobody}", "--role", "rollout", "--quantize", "2bit"),
+        ("--quantize takes 8bit or 4bit, got '2bit'",),
+    ),
     "stages-zero": Case(("coordinator", "--stages", "0"), ("stages must be >= 1, got 0", "--stages 1")),
     "stages-too-many": Case(
         ("coordinator", "--stages", "99"), ("cannot split 4 blocks into 99 stages", "--stages 4")

@@ -45,7 +45,11 @@ def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_a_liar(local_sw
             "--init-from", str(tmp_path / "warm"), "--checkpoint-every", "0",
         ),
     )  # fmt: skip
-    honest = [swarm.spawn_rollout(wait=False) for _ in range(2)]
+    # the peer that survives keeps its policy copies in 8-bit (bitsandbytes, on the CPU here)
+    honest = [
+        swarm.spawn_rollout(wait=False),
+        swarm.spawn_rollout(extra_args=("--quantize", "8bit"), wait=False),
+    ]
     liar = swarm.spawn_rollout(extra_args=("--inject-fault", "lie"), wait=False)
     ids = {name: swarm.wait_ready(name) for name in [*honest, liar]}
 
@@ -63,6 +67,7 @@ def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_a_liar(local_sw
         # the surviving honest peer follows the run's policy versions as the stages apply steps
         wait_until(lambda: survivor().step == 7, timeout_s=30, what="the rollout peer to take version 7")
         assert survivor().served > 0
+        assert survivor().device.endswith("(8bit)")
 
     assert [r.step for r in results] == list(range(7))
     assert all(math.isfinite(r.loss) for r in results)

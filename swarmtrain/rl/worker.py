@@ -27,6 +27,7 @@ import torch
 from swarmtrain.errors import BadFrameError, Cause
 from swarmtrain.model.swarm_model import SwarmModel
 from swarmtrain.rl.generate import SamplingConfig, generate
+from swarmtrain.rl.quantize import load_policy
 from swarmtrain.rl.tasks import Task
 from swarmtrain.wire.frames import Frame, error_frame
 from swarmtrain.wire.rollout_messages import (
@@ -75,6 +76,8 @@ class RolloutWorker:
         authorized: Callable[[str], bool],
         strike: Callable[[str, str], None] = lambda peer, why: None,
         version: int = 0,
+        quantize: str | None = None,
+        slowdown: Callable[[], float] = lambda: 1.0,
     ):
         self.run_id = run_id
         self.task = task
@@ -85,6 +88,10 @@ class RolloutWorker:
         self._locks = {id(model): threading.Lock(), id(spare): threading.Lock()}
         self._swap = threading.Lock()
         self.version = version
+        self.quantize = quantize
+        """'8bit' or '4bit' when the copies are quantized (`swarmtrain.rl.quantize`), else None."""
+        self.slowdown = slowdown
+        """Sampling takes this many times longer (emulates a slower GPU, as a stage's --slowdown)."""
         self.stats = WorkerStats()
         self.vocab_size = task.tokenizer.vocab_size
         self.max_len = model.input_shape[0]
@@ -103,7 +110,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         spare = self._spare
         with self._locks[id(spare)]:  # a request still sampling with it finishes first
-            spare.load_state_dict(state, strict=False)
+            load_policy(spare, state, self.quantize)
         paused = time.perf_counter()
         with self._swap:
             self._active, self._spare = spare, self._active
@@ -137,6 +144,10 @@ class RolloutWorker:
                 policy_version=version,
             )
             seconds = time.perf_counter() - t0
+            factor = self.slowdown()
+            if factor > 1:
+                time.sleep((factor - 1) * seconds)
+                seconds *= factor
         finally:
             lock.release()
         decode = self.task.tokenizer.decode
