@@ -169,9 +169,9 @@ def swarm_of(monkeypatch):
     monkeypatch.setattr(feed_module, "WAIT_FOR_ROLLOUTS_S", WAIT_S)
     made: list[tuple[Swarm, RolloutFeed]] = []
 
-    def make(**workers) -> tuple[Swarm, RolloutFeed]:
+    def make(feed_options: dict | None = None, **workers) -> tuple[Swarm, RolloutFeed]:
         swarm = Swarm({name.replace("_", "-"): options for name, options in workers.items()})
-        feed = RolloutFeed(swarm.trainer)
+        feed = RolloutFeed(swarm.trainer, **(feed_options or {}))
         made.append((swarm, feed))
         return swarm, feed
 
@@ -327,3 +327,31 @@ def test_a_peer_behind_the_version_asked_for_refuses_until_it_takes_a_newer_one(
     assert feed.step_stats[5].versions == [4] * B
     # the refused prompts were the first asked again
     assert set(refused.prompts) <= asked_prompts(swarm.asked["rollout-a"][1:])
+
+
+def test_on_policy_turns_generate_a_whole_step_from_its_own_version_then_train_it(swarm_of):
+    swarm, feed = swarm_of({"on_policy": True}, rollout_a={}, rollout_b={})
+    step_prompts = 4  # 2 microbatches of 2 groups
+
+    def asked(version: int) -> list[Asked]:
+        return [
+            a for n in ("rollout-a", "rollout-b") for a in swarm.asked[n] if a.request.min_version == version
+        ]
+
+    first = next(feed)
+    # the trainer got nothing until the whole step was in, all of it from version 0
+    assert feed.counts.samples == step_prompts * G
+    assert sum(len(a.prompts) for a in asked(0)) == step_prompts
+    second = next(feed)
+    assert feed.step_stats[0].versions == [0] * (2 * B)
+    for x, named in (first, second):
+        assert x.shape == (B, MODEL["seq_len"])
+
+    # the next step's completions come from the version it trains, once the workers hold it
+    swarm.trainer.step = 1
+    for worker in swarm.workers.values():
+        worker.install(policy().state_dict(), 1)
+    next(feed)
+    assert sum(len(a.prompts) for a in asked(1)) == step_prompts
+    assert feed.counts.samples == 2 * step_prompts * G  # nothing asked beyond each step
+    assert feed.step_stats[1].versions == [1] * B and feed.report(1)["policy_lag"] == 0

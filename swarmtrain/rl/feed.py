@@ -17,6 +17,12 @@ it before sampling; and the feed asks for no more than `ahead_steps` steps' wort
 completions beyond what is buffered, so nothing waits long enough to go stale while the swarm
 keeps pace.
 
+On-policy turns (`on_policy=True`): the feed asks for a step's completions only once the step
+before it committed, from the policy that step trains (min_version is the step), and hands
+the trainer none of them until all are in; so generation and training take turns, as on a
+colocated system where every GPU generates, then trains. It is the baseline
+`benchmarks/rl.py` compares the asynchronous split with.
+
 Advantages are normalised within each prompt's group of G completions, all from one reply
 (one policy version). Each step's rewards, accuracy and counts are in `step_stats`.
 """
@@ -81,7 +87,15 @@ class FeedCounts:
 class RolloutFeed:
     """GRPO microbatches from rollout peers (see the module docstring)."""
 
-    def __init__(self, trainer, *, seed: int = 0, sources: TaskSources = TaskSources(), ahead_steps: int = 1):
+    def __init__(
+        self,
+        trainer,
+        *,
+        seed: int = 0,
+        sources: TaskSources = TaskSources(),
+        ahead_steps: int = 1,
+        on_policy: bool = False,
+    ):
         manifest = trainer.manifest
         if manifest.rl is None:
             raise ConfigError(
@@ -101,6 +115,9 @@ class RolloutFeed:
         self.vocab_size = self.task.tokenizer.vocab_size
         self.max_new_tokens = self.task.max_new_tokens
         self.ahead_steps = ahead_steps
+        self.on_policy = on_policy
+        self._generated_step = -1
+        """On-policy turns: the last step whose completions all came in."""
         self.rng = random.Random(f"{manifest.seed}:{seed}:{trainer.node.peer_id}")
         self.counts = FeedCounts()
         self.banned: dict[str, str] = {}
@@ -125,6 +142,12 @@ class RolloutFeed:
         deadline = time.monotonic() + WAIT_FOR_ROLLOUTS_S
         taken: list[tuple[Trajectory, float]] = []
         with self._lock:
+            while self.on_policy and self._generated_step < self.trainer.step:
+                if self._pump.done():
+                    self._pump.result()
+                if time.monotonic() > deadline:
+                    raise StepFailedError(self._starved())
+                self._lock.wait(0.05)
             while len(taken) < self.microbatch_size:
                 step = self.trainer.step
                 while self._ready and len(taken) < self.microbatch_size:
@@ -195,6 +218,8 @@ class RolloutFeed:
                     if r.role == "rollout" and r.state == "serving" and r.peer_id not in self.banned
                 )
                 read_at = time.monotonic()
+            if self.on_policy:
+                self._check_generated()
             now = time.monotonic()
             free = [  # a peer banned since the last read is asked nothing more
                 p
@@ -212,11 +237,27 @@ class RolloutFeed:
                 task.add_done_callback(tasks.discard)
             await asyncio.sleep(0.05)
 
+    def _check_generated(self) -> None:
+        """On-policy turns: once all of this step's completions are in, it is the trainer's turn."""
+        with self._lock:
+            step = self.trainer.step
+            if (
+                self._generated_step < step
+                and self._in_flight == 0
+                and len(self._ready) >= self.prompts_per_step * self.G
+            ):
+                self._generated_step = step
+                self._lock.notify_all()
+
     def _prompts_wanted(self, peers: int) -> int:
         """Prompts to ask one more peer for now: what the next `ahead_steps` steps take beyond
         what is buffered or asked for, a fair share of a step each."""
         with self._lock:
             buffered = len(self._ready) // self.G + self._in_flight
+            if self.on_policy:
+                if self._generated_step >= self.trainer.step:
+                    return 0  # this step's completions are in: the trainer's turn
+                return min(self.prompts_per_step - buffered, -(-self.prompts_per_step // max(peers, 1)))
         want = self.prompts_per_step * (1 + self.ahead_steps) - buffered
         share = max(1, -(-self.prompts_per_step // max(peers, 1)))
         return min(want, share)
@@ -227,7 +268,9 @@ class RolloutFeed:
             while self._retry and len(prompts) < count:
                 prompts.append(self._retry.popleft())
         prompts += [self.task.train_prompt(self.rng) for _ in range(count - len(prompts))]
-        min_version = max(0, self.trainer.step + 1 - self.rl.max_staleness)
+        min_version = (
+            self.trainer.step if self.on_policy else max(0, self.trainer.step + 1 - self.rl.max_staleness)
+        )
         request = RolloutRequest(
             samples_per_prompt=self.G,
             max_new_tokens=self.max_new_tokens,
@@ -253,7 +296,8 @@ class RolloutFeed:
             self._ban(peer, str(e))
             self._give_back(prompts, rejected=count * self.G)
         except RemoteError as e:
-            self._resting[peer] = time.monotonic() + (0.5 if e.cause == Cause.WRONG_STEP else 5.0)
+            behind = 0.1 if self.on_policy else 0.5  # on-policy turns wait for this very version
+            self._resting[peer] = time.monotonic() + (behind if e.cause == Cause.WRONG_STEP else 5.0)
             self.counts.refused += 1
             logger.debug("rollout peer %s refused: %s", peer[-8:], e)
             self._give_back(prompts)
