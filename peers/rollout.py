@@ -12,6 +12,7 @@ background it follows the run: whenever the stages serve a newer version it fetc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -161,8 +162,12 @@ class RolloutPeer:
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=3 * self.config.heartbeat_s)
         self.on_serving()
         beat = time.monotonic()
+        wanted = asyncio.Event()
+        self.worker.on_wanted = wanted.set
         while not self._stop.is_set():
-            await asyncio.sleep(self.config.follow_s)
+            with contextlib.suppress(TimeoutError):  # a trainer named a newer version: fetch it now
+                await asyncio.wait_for(wanted.wait(), self.config.follow_s)
+            wanted.clear()
             await self._update(source, fetch)
             if time.monotonic() - beat > self.config.heartbeat_s:
                 beat = time.monotonic()

@@ -344,7 +344,7 @@ def test_on_policy_turns_generate_a_whole_step_from_its_own_version_then_train_i
     assert sum(len(a.prompts) for a in asked(0)) == step_prompts
     second = next(feed)
     assert feed.step_stats[0].versions == [0] * (2 * B)
-    for x, named in (first, second):
+    for x, _named in (first, second):
         assert x.shape == (B, MODEL["seq_len"])
 
     # the next step's completions come from the version it trains, once the workers hold it

@@ -353,3 +353,14 @@ def test_a_worker_behind_serves_once_it_installs_the_version_asked_for():
     worker.install(policy().state_dict(), 3)
     reply = ask(worker, request(min_version=3))
     assert reply.kind == "rollout_data" and decoded(reply).version == 3
+
+
+def test_a_request_naming_a_newer_version_wakes_the_peer_to_fetch_it():
+    worker = make_worker(version=3)
+    woken = []
+    worker.on_wanted = lambda: woken.append(worker.wanted)
+    ask(worker, request(seed=1, min_version=2, latest_version=5))  # served by version 3
+    ask(worker, request(seed=1, min_version=2, latest_version=5))  # nothing new: no wake-up
+    ask(worker, request(seed=1, min_version=3, latest_version=6))
+    assert woken == [5, 6] and worker.wanted == 6
+    assert worker.stats.requests == 3

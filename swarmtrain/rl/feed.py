@@ -13,9 +13,11 @@ Staleness. A completion sampled by policy version v trains step s only if s - v 
 control keeps work from going stale before it starts: a request asks for a version at least
 s + 1 - max_staleness (s the trainer's step; the completion trains at s + 1 at the latest, since the
 feed buffers at most what the next steps take), and a rollout peer further behind refuses
-it before sampling; and the feed asks for no more than `ahead_steps` steps' worth of
-completions beyond what is buffered, so nothing waits long enough to go stale while the swarm
-keeps pace.
+it before sampling; the feed asks for no more than `ahead_steps` steps' worth of
+completions beyond what is buffered; and it sizes each request to what the peer can sample
+before its completions would go stale: from each peer's measured seconds per prompt and the
+run's seconds per step, a request's completions must be in, behind what is buffered, within
+max_staleness steps (less half a step). A slow peer gets fewer prompts, never none.
 
 On-policy turns (`on_policy=True`): the feed asks for a step's completions only once the step
 before it committed, from the policy that step trains (min_version is the step), and hands
@@ -128,6 +130,9 @@ class RolloutFeed:
         self._in_flight = 0  # prompts asked for and not answered
         self._busy: set[str] = set()
         self._resting: dict[str, float] = {}  # peer -> monotonic time it may be asked again
+        self._seconds_per_prompt: dict[str, float] = {}  # peer -> measured (moving average)
+        self._step_s: float | None = None  # the run's seconds per step (moving average)
+        self._step_seen: tuple[int, float] | None = None
         self._pump: asyncio.Future | None = None
         self._closed = False
 
@@ -226,16 +231,38 @@ class RolloutFeed:
                 for p in peers
                 if p not in self._busy and p not in self.banned and self._resting.get(p, 0) <= now
             ]
+            self._watch_steps()
             for peer in free:
                 count = self._prompts_wanted(len(peers))
                 if count <= 0:
                     break
+                count = self._admitted(peer, count)
                 self._busy.add(peer)
                 self._in_flight += count
                 task = asyncio.create_task(self._ask(peer, count))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             await asyncio.sleep(0.05)
+
+    def _watch_steps(self) -> None:
+        step, now = self.trainer.step, time.monotonic()
+        if self._step_seen is None or step < self._step_seen[0]:
+            self._step_seen = (step, now)
+        elif step > self._step_seen[0]:
+            seconds = (now - self._step_seen[1]) / (step - self._step_seen[0])
+            self._step_s = seconds if self._step_s is None else 0.7 * self._step_s + 0.3 * seconds
+            self._step_seen = (step, now)
+
+    def _admitted(self, peer: str, count: int) -> int:
+        """Admission: at most the prompts `peer` can sample before they would arrive too stale
+        (see the module docstring); at least 1."""
+        per_prompt = self._seconds_per_prompt.get(peer)
+        if self.on_policy or per_prompt is None or self._step_s is None:
+            return count
+        with self._lock:
+            queued_steps = len(self._ready) / self.samples_per_step
+        budget_s = (self.rl.max_staleness - 0.5 - queued_steps) * self._step_s
+        return max(1, min(count, int(budget_s / per_prompt)))
 
     def _check_generated(self) -> None:
         """On-policy turns: once all of this step's completions are in, it is the trainer's turn."""
@@ -275,6 +302,7 @@ class RolloutFeed:
             samples_per_prompt=self.G,
             max_new_tokens=self.max_new_tokens,
             min_version=min_version,
+            latest_version=max(self.trainer.step, 0),
             seed=self.rng.getrandbits(63),
         )
         encode = self.task.tokenizer.encode
@@ -284,6 +312,7 @@ class RolloutFeed:
             tensors=encode_prompts([encode(p) for p in prompts]),
             meta=request.to_meta(),
         )
+        asked_at = time.monotonic()
         try:
             reply = await self.trainer.transport.call(
                 peer,
@@ -308,6 +337,9 @@ class RolloutFeed:
             )
             self._give_back(prompts, lost=count * self.G)
         else:
+            per_prompt = (time.monotonic() - asked_at) / count
+            old = self._seconds_per_prompt.get(peer)
+            self._seconds_per_prompt[peer] = per_prompt if old is None else 0.5 * old + 0.5 * per_prompt
             with self._lock:
                 self._ready.extend(taken)
                 self.counts.samples += len(taken)

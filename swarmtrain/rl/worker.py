@@ -98,7 +98,10 @@ class RolloutWorker:
         self.reward = task.reward
         """What this peer claims a completion earns (the task's reward; trainers check it)."""
         self.wanted = -1
-        """The newest version a trainer asked for: it exists, though the DHT may not say so yet."""
+        """The newest version a trainer asked for or said the stages hold: it exists, though the
+        DHT may not say so yet."""
+        self.on_wanted: Callable[[], None] = lambda: None
+        """Called (on the event loop) when `wanted` grows: the peer fetches it now."""
 
     # policy versions
 
@@ -197,7 +200,9 @@ class RolloutWorker:
         except BadFrameError as e:
             self.strike(caller, str(e))
             return self._refuse(f"rollout peer rejected the request: {e}", Cause.BAD_FRAME)
-        self.wanted = max(self.wanted, request.min_version)
+        if max(request.min_version, request.latest_version) > self.wanted:
+            self.wanted = max(request.min_version, request.latest_version)
+            self.on_wanted()
         if self.version < request.min_version:
             return self._refuse(
                 f"this rollout peer holds policy version {self.version}, behind the {request.min_version} "

@@ -30,18 +30,21 @@ MAX_NEW_TOKENS = 4096
 class RolloutRequest(Message):
     """Sample `samples_per_prompt` completions of each prompt with a policy version at least
     `min_version` (a rollout peer further behind refuses before it starts: its work would
-    arrive too stale); `seed` seeds the sampling."""
+    arrive too stale); `latest_version` is the newest one the stages hold (a peer behind it
+    fetches it at once, rather than when the DHT records show it); `seed` seeds the sampling."""
 
     WHAT = "rollout request"
     FIELDS = {
         "samples_per_prompt": _int(1, 1024),
         "max_new_tokens": _int(1, MAX_NEW_TOKENS),
         "min_version": _int(),
+        "latest_version": _int(),
         "seed": _int(0, 2**63 - 1),
     }
     samples_per_prompt: int
     max_new_tokens: int
     min_version: int = 0
+    latest_version: int = 0
     seed: int = 0
 
 
