@@ -18,6 +18,7 @@ driven from a plain Python loop over the user's own data.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -118,6 +119,11 @@ class Trainer:
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        """Run `coro` on the trainer's event loop (where its node and transport live) in the
+        background; returns its future (a data source such as `RolloutFeed` pumps requests so)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _make_transport(self) -> TensorTransport:
         transport = TensorTransport(

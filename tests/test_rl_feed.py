@@ -99,7 +99,7 @@ class Swarm:
         self.trainer = SimpleNamespace(
             manifest=MANIFEST,
             step=0,
-            _loop=self.loop,
+            submit=lambda coro: asyncio.run_coroutine_threadsafe(coro, self.loop),
             node=StubNode([PeerRecord(peer_id=name, role="rollout") for name in workers]),
             transport=transport,
             config=SimpleNamespace(microbatch_timeout_s=10.0),

@@ -143,7 +143,7 @@ class RolloutFeed:
 
     def __next__(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self._pump is None:
-            self._pump = asyncio.run_coroutine_threadsafe(self._run(), self.trainer._loop)
+            self._pump = self.trainer.submit(self._run())
         deadline = time.monotonic() + WAIT_FOR_ROLLOUTS_S
         taken: list[tuple[Trajectory, float]] = []
         with self._lock:
@@ -214,35 +214,39 @@ class RolloutFeed:
         tasks: set[asyncio.Task] = set()
         peers: list[str] = []
         read_at = -1.0
-        while not self._closed:
-            if time.monotonic() - read_at > 1.0:
-                records = await self.trainer.node.peers_async(self.trainer.manifest.run_id)
-                peers = sorted(
-                    r.peer_id
-                    for r in records
-                    if r.role == "rollout" and r.state == "serving" and r.peer_id not in self.banned
-                )
-                read_at = time.monotonic()
-            if self.on_policy:
-                self._check_generated()
-            now = time.monotonic()
-            free = [  # a peer banned since the last read is asked nothing more
-                p
-                for p in peers
-                if p not in self._busy and p not in self.banned and self._resting.get(p, 0) <= now
-            ]
-            self._watch_steps()
-            for peer in free:
-                count = self._prompts_wanted(len(peers))
-                if count <= 0:
-                    break
-                count = self._admitted(peer, count)
-                self._busy.add(peer)
-                self._in_flight += count
-                task = asyncio.create_task(self._ask(peer, count))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            await asyncio.sleep(0.05)
+        try:
+            while not self._closed:
+                if time.monotonic() - read_at > 1.0:
+                    records = await self.trainer.node.peers_async(self.trainer.manifest.run_id)
+                    peers = sorted(
+                        r.peer_id
+                        for r in records
+                        if r.role == "rollout" and r.state == "serving" and r.peer_id not in self.banned
+                    )
+                    read_at = time.monotonic()
+                if self.on_policy:
+                    self._check_generated()
+                now = time.monotonic()
+                free = [  # a peer banned since the last read is asked nothing more
+                    p
+                    for p in peers
+                    if p not in self._busy and p not in self.banned and self._resting.get(p, 0) <= now
+                ]
+                self._watch_steps()
+                for peer in free:
+                    count = self._prompts_wanted(len(peers))
+                    if count <= 0:
+                        break
+                    count = self._admitted(peer, count)
+                    self._busy.add(peer)
+                    self._in_flight += count
+                    task = asyncio.create_task(self._ask(peer, count))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                await asyncio.sleep(0.05)
+        finally:  # close() or a failure: requests still out are not waited for
+            for task in list(tasks):
+                task.cancel()
 
     def _watch_steps(self) -> None:
         step, now = self.trainer.step, time.monotonic()
@@ -335,6 +339,13 @@ class RolloutFeed:
             logger.warning(
                 "rollout peer %s failed (%s): its %d prompts go to another", peer[-8:], e, len(prompts)
             )
+            self._give_back(prompts, lost=count * self.G)
+        except asyncio.CancelledError:
+            self._give_back(prompts)
+            raise
+        except Exception as e:  # anything else the call raised: its prompts must not be lost
+            self._resting[peer] = time.monotonic() + 10.0
+            logger.warning("rollout request to %s failed (%r): its prompts go to another", peer[-8:], e)
             self._give_back(prompts, lost=count * self.G)
         else:
             per_prompt = (time.monotonic() - asked_at) / count
