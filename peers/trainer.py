@@ -46,6 +46,7 @@ from swarmtrain.train.run_length import (
     run_is_over,
     steps_to_run,
 )
+from swarmtrain.train.scoring import score_pass
 from swarmtrain.train.shards import ShardFeed
 from swarmtrain.train.step import StepFailedError, StepResult, TrainerContext, TrainerStep
 from swarmtrain.train.team import Team
@@ -124,6 +125,21 @@ class Trainer:
         """Run `coro` on the trainer's event loop (where its node and transport live) in the
         background; returns its future (a data source such as `RolloutFeed` pumps requests so)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def score(
+        self, x: torch.Tensor, loss_inputs: dict[str, torch.Tensor], *, step: int | None = None
+    ) -> torch.Tensor:
+        """The run's loss's per-sample scores of one microbatch on the stages' parameters of
+        `step` (default: the trainer's), by a score pass through the pipeline
+        (`swarmtrain.train.scoring`): forward only, counted in no step. Raises RemoteError when
+        a stage refuses it (it is at another step), ScoreFailedError when it cannot complete."""
+        return self._run(self.score_async(x, loss_inputs, step=step))
+
+    async def score_async(
+        self, x: torch.Tensor, loss_inputs: dict[str, torch.Tensor], *, step: int | None = None
+    ) -> torch.Tensor:
+        """`score`, as a coroutine on the trainer's event loop."""
+        return await score_pass(self._context(), self.step if step is None else step, x, loss_inputs)
 
     async def _make_transport(self) -> TensorTransport:
         transport = TensorTransport(

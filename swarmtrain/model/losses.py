@@ -30,6 +30,9 @@ SampleSpec = tuple[tuple[int, ...], torch.dtype]
 """(shape without the batch dim, dtype) of one sample of a tensor."""
 LossFn = Callable[[Tensor, Mapping[str, Tensor]], Tensor]
 """fn(output, inputs) -> the scalar mean loss over the microbatch."""
+ScoreFn = Callable[[Tensor, Mapping[str, Tensor]], Tensor]
+"""fn(output, inputs) -> per-sample scores, float32, shaped like the input 'targets' (a score
+pass answers with these: e.g. GRPO's per-token log-probs of the taken tokens)."""
 InputSpecs = Mapping[str, SampleSpec] | Callable[[SampleSpec], Mapping[str, SampleSpec]]
 """A loss's inputs: name -> per-sample spec, or a function of the head's per-sample output spec giving them."""
 
@@ -93,6 +96,8 @@ class Loss:
     """fn(output, inputs) -> the scalar mean loss over the microbatch."""
     inputs: InputSpecs
     """The per-sample (shape, dtype) of each named input: fixed, or derived from the head's per-sample output spec."""
+    score: ScoreFn | None = None
+    """What a score pass answers with (None: the loss has no score and score passes are refused)."""
 
     def input_specs(self, output_spec: SampleSpec) -> dict[str, SampleSpec]:
         """Per-sample specs of the inputs this loss takes on a head whose per-sample output is `output_spec`.
@@ -121,9 +126,14 @@ class Loss:
 _LOSSES: dict[str, Loss] = {}
 
 
-def register_loss(name: str, *, inputs: InputSpecs) -> Callable[[LossFn], LossFn]:
+def register_loss(
+    name: str, *, inputs: InputSpecs, score: ScoreFn | None = None
+) -> Callable[[LossFn], LossFn]:
     """Decorator: register `fn(output, inputs) -> scalar` as loss `name`, taking `inputs`.
 
+    `score(output, inputs)`, if given, is what a score pass through the pipeline answers with
+    (`swarmtrain.train.scoring`): per-sample float32 scores shaped like 'targets', computed
+    under no_grad from the same output and inputs as the loss.
     `name` is what a run manifest (`--loss`) refers to; register the loss in the module of the
     model's builder, so that every peer that builds the model knows it. Registering a different
     function under a taken name raises ConfigError. The function is returned unchanged.
@@ -138,7 +148,7 @@ def register_loss(name: str, *, inputs: InputSpecs) -> Callable[[LossFn], LossFn
             raise ConfigError(
                 f"loss name {name!r} is already registered to {known.fn.__module__}.{known.fn.__qualname__}"
             )
-        _LOSSES[name] = Loss(name=name, fn=fn, inputs=inputs)
+        _LOSSES[name] = Loss(name=name, fn=fn, inputs=inputs, score=score)
         return fn
 
     return register

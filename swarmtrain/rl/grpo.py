@@ -170,8 +170,13 @@ def register_grpo_loss(name: str, cfg: GRPOConfig) -> LossFn:
         }
         return {**specs, "ref_logprobs": per_token} if cfg.kl_coef > 0 else specs
 
+    def score(output: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
+        """Per-token log-probs of the targets at the loss's temperature, (B, T) float32: what a
+        rollout peer claims as behaviour log-probs, recomputed by the stages (the feed's check)."""
+        return token_logprobs(output, inputs["targets"], cfg.temperature)  # (B, T)
+
     fn = grpo_loss_fn(cfg)
-    register_loss(name, inputs=inputs)(fn)
+    register_loss(name, inputs=inputs, score=score)(fn)
     _CONFIGS[name], _FNS[name] = cfg, fn
     return fn
 

@@ -32,6 +32,7 @@ from swarmtrain.train.authority import RunAuthority
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.data import loss_inputs_of
 from swarmtrain.train.run_length import is_finished, last_step_message, steps_to_run
+from swarmtrain.train.scoring import score_pass
 from swarmtrain.train.service import StageService
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.train.step import Microbatch, StepResult, TrainerContext, TrainerStep
@@ -256,6 +257,12 @@ class InProcessSwarm:
         result = await TrainerStep(self.trainer_context(), self.trainer_step, microbatches).run()
         self.trainer_step = result.step + 1
         return result
+
+    async def score(self, x, loss_inputs: dict, *, step: int | None = None):
+        """The loss's per-sample scores of one microbatch by a score pass through the swarm, on
+        the parameters of `step` (default: the trainer's); see `scoring.score_pass`."""
+        step = self.trainer_step if step is None else step
+        return await score_pass(self.trainer_context(), step, x, loss_inputs)
 
     async def train(self, batches: Iterator, steps: int) -> list[StepResult]:
         """Up to `steps` steps over microbatches drawn from `batches`, as `Trainer.train` runs

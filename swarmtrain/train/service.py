@@ -197,7 +197,8 @@ class StageService:
         self.in_flight += 1
         try:
             reply = await self.forward.on_forward(frame, caller)
-            self.counters.served += 1
+            if not frame.meta.get("score"):  # a score pass counts in `scored`, not as a microbatch
+                self.counters.served += 1
             return reply
         except BaseException:
             self.counters.failed += 1

@@ -31,6 +31,7 @@ those on, stages recompute.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from swarmtrain.schedule.static import expected_orders
 from swarmtrain.train.bounds import admit_frame, tensor_norm
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.hop import Hop, HopContext, HopFailedError, HopFailure
-from swarmtrain.wire.frames import Frame
+from swarmtrain.wire.frames import Frame, all_finite
 from swarmtrain.wire.messages import ForwardMeta, Readiness, ResultMeta
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ HOP_MARGIN_S = 0.5
 """Time a stage keeps for itself when it passes the remaining budget downstream."""
 INPUT = "x"
 """The tensor name of a stage's input; every other tensor of a forward is a loss input."""
+SCORES = "scores"
+"""The tensor name of a score pass's answer (`ForwardMeta.score`)."""
 
 
 @dataclass
@@ -73,6 +76,8 @@ class ServeCounters:
     """Microbatches refused or failed."""
     replayed: int = 0
     """Hops replayed to another replica downstream."""
+    scored: int = 0
+    """Score passes answered (`ForwardMeta.score`; not in `served`)."""
 
 
 class ReplayCache:
@@ -144,6 +149,8 @@ class ForwardServer:
             admit_frame(
                 ctx.runner.bounds.activations, tensor_norm(x), f"input activations of stage {ctx.stage}"
             )
+        if meta.score:
+            return await self._score(frame, meta, x, loss_inputs, started)
         self._check_step(frame.step)
         self.cache.at_step(frame.step)
         if meta.slots:
@@ -160,21 +167,8 @@ class ForwardServer:
             result, grad_x = replace(kept.result, replays=0), kept.grad
         else:
             deadline = started + meta.budget_s
-            try:
+            with self._blame(frame):
                 result, grad_x = await self._compute(frame, meta, x, loss_inputs, deadline)
-            except RemoteError:
-                raise
-            except IndexError as e:  # only a microbatch's token ids and targets index the model's tables
-                problem = f"an index in microbatch {frame.mb_id} is out of range: {e}"
-                if ctx.stage == 0:  # the caller built it
-                    raise BadFrameError(problem) from None
-                raise RemoteError(problem, cause=Cause.REFUSED) from None  # the caller only relayed it
-            except Exception as e:  # out of memory, a device error: this replica's, not the caller's
-                logger.warning("stage %d failed on microbatch %s: %r", ctx.stage, frame.mb_id, e)
-                raise RemoteError(
-                    f"stage {ctx.stage} failed to compute microbatch {frame.mb_id}: {e!r}",
-                    cause=Cause.OWN_FAILURE,
-                ) from None
             self.cache.put(frame.mb_id, x, result, grad_x)
         tensors, codecs = {}, {}
         if grad_x is not None:
@@ -182,6 +176,12 @@ class ForwardServer:
             codec = ctx.codec_for("gradients", caller, grad_x.nbytes)
             if codec != "none":
                 codecs["grad"] = codec
+        return self._reply(frame, result, started, tensors, codecs)
+
+    def _reply(
+        self, frame: Frame, result: ResultMeta, started: float, tensors: dict, codecs: dict | None = None
+    ) -> Frame:
+        ctx = self.ctx
         ready = Readiness.of(ctx.scheduler.readiness())
         reply = replace(result, service_s=time.monotonic() - started, **ready.to_meta())
         return Frame(
@@ -191,9 +191,54 @@ class ForwardServer:
             stage=ctx.stage,
             step=frame.step,
             tensors=tensors,
-            codecs=codecs,
+            codecs=codecs or {},
             meta=reply.to_meta(),
         )
+
+    @contextlib.contextmanager
+    def _blame(self, frame: Frame):
+        """Map a failure of this replica's compute (or of the pipeline after it) to its cause."""
+        ctx = self.ctx
+        try:
+            yield
+        except RemoteError:
+            raise
+        except IndexError as e:  # only a microbatch's token ids and targets index the model's tables
+            problem = f"an index in microbatch {frame.mb_id} is out of range: {e}"
+            if ctx.stage == 0:  # the caller built it
+                raise BadFrameError(problem) from None
+            raise RemoteError(problem, cause=Cause.REFUSED) from None  # the caller only relayed it
+        except Exception as e:  # out of memory, a device error: this replica's, not the caller's
+            logger.warning("stage %d failed on microbatch %s: %r", ctx.stage, frame.mb_id, e)
+            raise RemoteError(
+                f"stage {ctx.stage} failed to compute microbatch {frame.mb_id}: {e!r}",
+                cause=Cause.OWN_FAILURE,
+            ) from None
+
+    async def _score(self, frame: Frame, meta: ForwardMeta, x, loss_inputs: dict, started: float) -> Frame:
+        """A score pass (`ForwardMeta.score`): forward only on the parameters of exactly
+        `frame.step`, as bookkeeping on the compute thread (it keeps nothing, so it takes no
+        part in the queue's order, the readiness figures or fault injection); the reply
+        carries the last stage's scores. A replica at another step refuses it (WRONG_STEP,
+        not retryable: the scores would not be of the step asked for)."""
+        ctx, runner = self.ctx, self.ctx.runner
+        if frame.step > runner.step:
+            ctx.on_behind()
+        with self._blame(frame):
+            if ctx.is_last:
+                loss, scores = await ctx.scheduler.call(runner.score_last, frame.step, x, loss_inputs)
+                result = ResultMeta(loss=loss, route=(ctx.peer_id,))
+            else:
+                out = await ctx.scheduler.call(runner.score_forward, frame.step, x)
+                hop = await self._hop(frame, meta, out, loss_inputs, started + meta.budget_s)
+                scores, downstream = hop.reply.tensors[SCORES], hop.result
+                result = ResultMeta(
+                    loss=downstream.loss,
+                    route=(ctx.peer_id, *downstream.route),
+                    replays=len(hop.failures) + downstream.replays,
+                )
+        self.counters.scored += 1
+        return self._reply(frame, result, started, {SCORES: scores})
 
     def _check_step(self, step: int) -> None:
         runner = self.ctx.runner
@@ -273,8 +318,8 @@ class ForwardServer:
             prefer=meta.preferred(nxt),
             replay=meta.replay,
             route_len=ctx.num_stages - nxt,
-            expect_grad=True,
-            check=self._grad_check(out),
+            expect_grad=not meta.score,
+            check=scores_check(loss_inputs["targets"].shape) if meta.score else self._grad_check(out),
             on_failure=replayed,
         )
         try:
@@ -285,8 +330,8 @@ class ForwardServer:
                 cause=Cause.UNREACHABLE,
             ) from None
         except RemoteError as e:
-            if e.cause == Cause.REFUSED:  # the microbatch itself: it would fail anywhere
-                raise
+            if e.cause == Cause.REFUSED or (meta.score and not e.retryable):
+                raise  # the microbatch itself, or a score pass the next stage cannot take at this step
             raise RemoteError(  # our frame was refused (bad, banned): this replica's failure
                 f"stage {nxt} refused stage {ctx.stage}'s output of microbatch {frame.mb_id}: {e}",
                 cause=Cause.OWN_FAILURE,
@@ -306,3 +351,22 @@ class ForwardServer:
             admit_frame(bound, tensor_norm(grad), "the reply's gradient")
 
         return check
+
+
+def scores_check(shape: tuple[int, ...]) -> Callable[[Frame], None]:
+    """The check of a score pass's reply: float32 'scores' of the targets' `shape`, all finite
+    (otherwise the replying replica's fault)."""
+
+    def check(reply: Frame) -> None:
+        scores = reply.tensors.get(SCORES)
+        if scores is None:
+            raise BadFrameError(f"a score pass's reply lacks its {SCORES!r}")
+        if tuple(scores.shape) != tuple(shape) or scores.dtype != torch.float32:
+            raise BadFrameError(
+                f"a score pass's reply holds {tuple(scores.shape)} {scores.dtype} scores, "
+                f"expected {tuple(shape)} torch.float32"
+            )
+        if not all_finite(scores):
+            raise BadFrameError("a score pass's reply holds non-finite scores")
+
+    return check

@@ -20,6 +20,9 @@ The contract with the peer shell around it:
   nothing) and adds the held copies named in `take`; `apply_step(step, total)` writes the
   replicas' summed gradients (or keeps the local ones) and steps the optimizer, refusing a
   step whose gradients or result would not be finite and leaving the replica as it was.
+- A score pass (`score_forward`, `score_last`) runs the stage forward only, in eval mode
+  under no_grad, on the parameters of exactly the step it names (WRONG_STEP, not retryable,
+  otherwise): it keeps nothing and touches no gradient, counter or step.
 - Policy versions: `step` is also the parameters' version; once someone asked for weights,
   `apply_step` first copies the outgoing version into `versions` (`train.versions`), and
   `import_state` and `relabel` forget what it held.
@@ -28,6 +31,7 @@ All methods run on the caller's thread; the shell calls them from one worker thr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Mapping
@@ -210,6 +214,47 @@ class StageRunner:
             raise RemoteError(f"microbatch {mb_id} has a non-finite loss ({value})", cause=Cause.REFUSED)
         grad_x = self._backprop(mb_id, loss * loss_scale, None, x, replay)
         return value, grad_x
+
+    def score_forward(self, step: int, x: Tensor) -> Tensor:
+        """A score pass through a stage that is not the last: the output (CPU) of `x` on the
+        parameters of `step` (see the module docstring)."""
+        with self._scoring(step):
+            return self.module(x.to(self.device)).cpu()
+
+    def score_last(self, step: int, x: Tensor, loss_inputs: Mapping[str, Tensor]) -> tuple[float, Tensor]:
+        """A score pass through the last stage: (the loss, the loss's per-sample scores as float32
+        CPU, shaped like 'targets'). RemoteError REFUSED when the run's loss has no score or
+        either is not finite."""
+        loss = self.module.loss_fn
+        if loss.score is None:
+            raise RemoteError(
+                f"loss {loss.name!r} has no score: it takes no score passes", cause=Cause.REFUSED
+            )
+        with self._scoring(step):
+            inputs = {name: t.to(self.device) for name, t in loss_inputs.items()}
+            out = self.module(x.to(self.device))
+            value = float(self.module.loss(out, inputs))
+            scores = loss.score(out, inputs).float().cpu()
+        if not math.isfinite(value) or not all_finite(scores):
+            raise RemoteError("a score pass gave a non-finite loss or score", cause=Cause.REFUSED)
+        return value, scores
+
+    @contextlib.contextmanager
+    def _scoring(self, step: int):
+        if step != self.step:
+            raise RemoteError(
+                f"this stage is at step {self.step}, not {step}: it scores only on the parameters "
+                "of the step it holds",
+                cause=Cause.WRONG_STEP,
+                retryable=False,
+            )
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.module.train(was_training)
 
     def _backprop(
         self, mb_id: str, out: Tensor, grad_out: Tensor | None, x: Tensor, replay: bool

@@ -48,6 +48,12 @@ __all__ = ["Microbatch", "StepFailedError", "StepResult", "TrainerContext", "Tra
 
 _epochs = itertools.count()
 
+
+def next_epoch() -> int:
+    """A number no other microbatch id of this process uses (a retried step's, a score pass's)."""
+    return next(_epochs)
+
+
 Microbatch = tuple[torch.Tensor, dict[str, torch.Tensor]]
 """(inputs, named loss inputs)."""
 
@@ -75,7 +81,7 @@ class TrainerStep:
         self.positions = tuple(range(len(microbatches))) if positions is None else positions
         self.total = len(microbatches) if total is None else total
         assert len(self.positions) == len(microbatches) and max(self.positions, default=0) < self.total
-        epoch = next(_epochs)
+        epoch = next_epoch()
         self.ids = [microbatch_id(ctx.trainer_id, step, epoch, n) for n in self.positions]
         self.ledger = StepLedger(issued=tuple(self.ids))
         self.timeouts = 0

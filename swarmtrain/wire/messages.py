@@ -10,6 +10,7 @@ the protocol code after it works on typed values and never parses strings.
 |---------------------|-------------------------------------|------------------------|
 | forward             | ForwardMeta                         | trainer/stage -> stage |
 | result              | ResultMeta                          | reply to forward       |
+|                     | (a score pass: tensor 'scores')     |                        |
 | step                | a commit phase (`commit_messages`)  | trainer -> stage       |
 | step_done           | its answer (`commit_messages`)      | reply to step          |
 | report              | StepReport (`team_messages`)        | trainer -> trainer     |
@@ -90,6 +91,7 @@ class ForwardMeta(Message):
         "budget_s": _float(0, 1e6, lo_open=True),
         "order": _int(),
         "replay": _bool,
+        "score": _bool,
         "prefer": _strs(MAX_PEER_ID_CHARS),
         "needed_by": _ints(),
         "slots": _ints(),
@@ -106,6 +108,11 @@ class ForwardMeta(Message):
     """The microbatch's index in its step: the 1F1B priority hint."""
     replay: bool = False
     """Sent again after a failure: replicas keep its gradient apart until the commit decides."""
+    score: bool = False
+    """A score pass, not training: every stage runs it forward only (no gradient, nothing kept,
+    not counted in any step) on the parameters of exactly this frame's step, and the last stage
+    answers with the loss's per-sample scores (tensor 'scores', `Loss.score`) instead of a
+    gradient (`swarmtrain.train.scoring`)."""
     prefer: tuple[str, ...] = ()
     """Per stage, the replica that already holds this microbatch's work (NO_PREFERENCE: any)."""
     needed_by: tuple[int, ...] = ()
@@ -128,6 +135,8 @@ class ForwardMeta(Message):
             )
         if self.slots and self.microbatches is None:
             raise BadFrameError("forward meta with slots needs microbatches")
+        if self.score and (self.slots or self.needed_by):
+            raise BadFrameError("a score pass takes no static slots and no repair (needed_by)")
 
     def preferred(self, stage: int) -> str | None:
         """The replica of `stage` this microbatch should go to, if any."""
@@ -150,7 +159,7 @@ class ResultMeta(Readiness):
         **Readiness.FIELDS,
     }
     loss: float
-    """The microbatch's loss (unscaled)."""
+    """The microbatch's loss (unscaled; for a score pass, the loss it has at that step)."""
     route: tuple[str, ...]
     """The replicas that served it, from the replying stage to the last."""
     replays: int = 0
