@@ -170,6 +170,20 @@ def coordinator(
     weights_codec: Annotated[
         str, typer.Option(help="RL: how rollout peers fetch each policy version: none (exact), bf16 or int8.")
     ] = "none",
+    verify_fraction: Annotated[
+        float,
+        typer.Option(
+            help="RL: share of rollout replies whose behaviour log-probs the trainer recomputes "
+            "through the pipeline (0: none); a peer whose claims do not hold is banned."
+        ),
+    ] = 0.1,
+    logprob_tolerance: Annotated[
+        float,
+        typer.Option(
+            help="RL: nats; a checked reply whose log-probs differ from the pipeline's by more than "
+            "this on average bans its rollout peer."
+        ),
+    ] = 0.1,
     host: Host = "127.0.0.1",
     port: Port = 0,
     dashboard_port: Annotated[
@@ -344,6 +358,8 @@ def coordinator(
                 samples_per_prompt=samples_per_prompt,
                 max_staleness=max_staleness,
                 weights_codec=weights_codec,
+                verify_fraction=verify_fraction,
+                logprob_tolerance=logprob_tolerance,
             ),
             checkpoint_every=checkpoint_every,
             allow_reinit=allow_reinit,

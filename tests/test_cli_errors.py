@@ -194,6 +194,10 @@ CASES = {
             "give one codec",
         ),
     ),
+    "verify-fraction-above-one": Case(
+        ("coordinator", "--task", "add", "--verify-fraction", "1.5"),
+        ("verify_fraction must be a number in [0, 1]", "got 1.5", "--verify-fraction"),
+    ),
     "loss-unknown": Case(
         ("coordinator", "--loss", "focal"),
         ("unknown loss 'focal'", "'cross_entropy', 'weighted_cross_entropy'", "--loss"),

@@ -359,7 +359,10 @@ def test_per_boundary_lists_must_fit_the_stages():
 def test_an_rl_manifest_round_trips_and_its_settings_are_checked():
     from swarmtrain.wire.rl_config import RLConfig
 
-    rl = RLConfig(task="add", task_options={"digits": 2}, samples_per_prompt=4, max_staleness=1)
+    rl = RLConfig(
+        task="add", task_options={"digits": 2}, samples_per_prompt=4, max_staleness=1, verify_fraction=0.5,
+        logprob_tolerance=0.2,
+    )  # fmt: skip
     m = RunManifest(
         run_id="rl", model="tiny-gpt", num_blocks=2, stage_bounds=(0, 1, 2), loss="grpo", rl=rl,
         batch=BatchConfig(microbatch_size=8, microbatches_per_step=2),
@@ -377,6 +380,10 @@ def test_an_rl_manifest_round_trips_and_its_settings_are_checked():
         ({"samples_per_prompt": 1}, "samples_per_prompt must be an integer in 2..1024"),
         ({"max_staleness": -1}, "max_staleness must be an integer in 0..1000"),
         ({"weights_codec": "zip"}, "weights_codec must be 'none', 'bf16' or 'int8'"),
+        ({"verify_fraction": -0.1}, r"verify_fraction must be a number in \[0, 1\]"),
+        ({"verify_fraction": True}, r"verify_fraction must be a number in \[0, 1\]"),
+        ({"logprob_tolerance": 0}, "logprob_tolerance must be a number of nats > 0, got 0"),
+        ({"logprob_tolerance": float("nan")}, "logprob_tolerance must be a number of nats > 0"),
         ({"task": ""}, "task must be a task name or import path"),
     ):
         with pytest.raises(ConfigError, match=match):

@@ -9,11 +9,12 @@ temperature the rollout peers sample at). One optimizer step trains on
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.wire.run_config import _from_dict, _is_int
+from swarmtrain.wire.run_config import _from_dict, _is_int, _is_number
 
 MAX_TASK_CHARS = 200
 
@@ -33,6 +34,14 @@ class RLConfig:
     are dropped and counted (`--max-staleness`)."""
     weights_codec: str = "none"
     """How rollout peers fetch policy versions: 'none' (exact), 'bf16' or 'int8'."""
+    verify_fraction: float = 0.1
+    """Share of rollout replies sampled by the version the stages hold whose behaviour log-probs
+    the trainer recomputes through the pipeline (`swarmtrain.rl.verify`); 0 checks none
+    (`--verify-fraction`)."""
+    logprob_tolerance: float = 0.1
+    """Nats: a checked reply whose claimed log-probs differ from the pipeline's by more than this
+    on average over its completion tokens bans its rollout peer. An honest peer sampling from
+    8-bit weights differs by ~0.01 (`benchmarks/logprob_check.py`) (`--logprob-tolerance`)."""
 
     def __post_init__(self):
         if not isinstance(self.task, str) or not 0 < len(self.task) <= MAX_TASK_CHARS:
@@ -47,6 +56,16 @@ class RLConfig:
         if not _is_int(self.max_staleness) or not 0 <= self.max_staleness <= 1000:
             raise ConfigError(
                 f"rl: max_staleness must be an integer in 0..1000, got {self.max_staleness!r} (--max-staleness)"
+            )
+        if not _is_number(self.verify_fraction) or not 0 <= self.verify_fraction <= 1:
+            raise ConfigError(
+                f"rl: verify_fraction must be a number in [0, 1] (the share of rollout replies checked), "
+                f"got {self.verify_fraction!r} (--verify-fraction)"
+            )
+        tolerance = self.logprob_tolerance
+        if not _is_number(tolerance) or not 0 < tolerance < math.inf:
+            raise ConfigError(
+                f"rl: logprob_tolerance must be a number of nats > 0, got {tolerance!r} (--logprob-tolerance)"
             )
         if self.weights_codec not in ("none", "bf16", "int8"):
             raise ConfigError(
