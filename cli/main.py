@@ -158,7 +158,8 @@ def join(
         typer.Option(
             hidden=True,
             help="Testing: ACTION:KIND:N kills (kill) or terminates (term) this peer as its N-th "
-            "forward/backward/loss task starts; a rollout peer takes 'lie' (it claims every reward is 1).",
+            "forward/backward/loss task starts; a rollout peer takes 'lie' (it claims every reward is 1) "
+            "or 'lie-logprobs' (right rewards, wrong behaviour log-probs).",
             show_default="no fault",
         ),
     ] = None,

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from swarmtrain.peers.self_measure import device_label
 from swarmtrain.rl.grpo import grpo_config
 from swarmtrain.rl.quantize import check_mode, parameter_bytes, quantize_model
 from swarmtrain.rl.registry import TaskSources, build_task
+from swarmtrain.rl.verify import lie_about_logprobs
 from swarmtrain.rl.weights import FetchConfig, fetch_version, latest_version, swarm_source
 from swarmtrain.rl.worker import RolloutWorker
 from swarmtrain.swarm import NodeConfig, SwarmNode
@@ -61,7 +63,9 @@ class RolloutConfig:
     max_memory_bytes: int | None = None
     """Memory this peer may use: it refuses to start if the two policy copies need more."""
     fault: str | None = None
-    """Testing: 'lie' claims reward 1 for every completion (trainers must ban this peer)."""
+    """Testing: 'lie' claims reward 1 for every completion; 'lie-logprobs' claims the right
+    rewards but wrong behaviour log-probs (`swarmtrain.rl.verify.lie_about_logprobs`). Trainers
+    must ban either peer."""
 
 
 class RolloutPeer:
@@ -105,10 +109,16 @@ class RolloutPeer:
             quantize=config.quantize,
             slowdown=lambda: config.slowdown,
         )
-        if config.fault is not None:
-            if config.fault != "lie":
-                raise ConfigError(f"a rollout peer's --inject-fault takes 'lie', got {config.fault!r}")
+        if config.fault == "lie":
             self.worker.reward = lambda prompt, completion: 1.0
+        elif config.fault == "lie-logprobs":
+            rng = random.Random(0)
+            self.worker.claim_logprobs = lambda logprobs: lie_about_logprobs(logprobs, rng)
+        elif config.fault is not None:
+            self.node.shutdown()
+            raise ConfigError(
+                f"a rollout peer's --inject-fault takes 'lie' or 'lie-logprobs', got {config.fault!r}"
+            )
         self.on_serving = lambda: None
         self._stop = threading.Event()
         self._since = get_dht_time()

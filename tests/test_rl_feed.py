@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import math
+import random
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -21,8 +24,11 @@ import pytest
 import torch
 
 import swarmtrain.rl.feed as feed_module
+from swarmtrain.errors import Cause, RemoteError
 from swarmtrain.rl.feed import RolloutFeed
+from swarmtrain.rl.grpo import token_logprobs
 from swarmtrain.rl.registry import build_task
+from swarmtrain.rl.verify import lie_about_logprobs
 from swarmtrain.rl.worker import RolloutWorker
 from swarmtrain.transport import handler_name
 from swarmtrain.transport.memory import MemoryNetwork
@@ -71,9 +77,13 @@ class StubNode:
 
 
 class Swarm:
-    """Rollout workers and a stub trainer on one in-memory network; its event loop runs on a thread."""
+    """Rollout workers and a stub trainer on one in-memory network; its event loop runs on a thread.
 
-    def __init__(self, workers: dict[str, dict]):
+    The stub trainer's score passes run the whole untrained policy (the one every worker starts
+    from) in one process: the stages' parameters at any step here. `score_gate`, while clear,
+    holds them; `score_error`, when set, is what they raise."""
+
+    def __init__(self, workers: dict[str, dict], manifest: RunManifest = MANIFEST):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -96,14 +106,34 @@ class Swarm:
                 self.changed.notify_all()
 
         transport.strike = striking
+        self.scorer = policy().eval()
+        self.scored: list[int] = []
+        """The step of each score pass the feed asked for."""
+        self.score_gate = asyncio.Event()
+        self.score_gate.set()
+        self.score_error: Exception | None = None
         self.trainer = SimpleNamespace(
-            manifest=MANIFEST,
+            score_async=self._score,
+            manifest=manifest,
             step=0,
             submit=lambda coro: asyncio.run_coroutine_threadsafe(coro, self.loop),
             node=StubNode([PeerRecord(peer_id=name, role="rollout") for name in workers]),
             transport=transport,
             config=SimpleNamespace(microbatch_timeout_s=10.0),
         )
+
+    async def _score(self, x: torch.Tensor, named: dict, *, step: int) -> torch.Tensor:
+        with self.changed:
+            self.scored.append(step)
+            self.changed.notify_all()
+        await self.score_gate.wait()
+        if self.score_error is not None:
+            raise self.score_error
+        with torch.no_grad():
+            return token_logprobs(self.scorer(x), named["targets"], temperature=1.0)
+
+    def open_gate(self) -> None:
+        self.loop.call_soon_threadsafe(self.score_gate.set)
 
     def _recording(self, name: str, handle):
         async def handler(frame: Frame, caller: str) -> Frame:
@@ -144,7 +174,9 @@ class Swarm:
         self.loop.close()
 
 
-def rollout_worker(*, version: int = 0, state: dict | None = None, liar: bool = False) -> RolloutWorker:
+def rollout_worker(
+    *, version: int = 0, state: dict | None = None, liar: bool = False, lie_logprobs: bool = False
+) -> RolloutWorker:
     model, spare = policy(), policy()
     if state is not None:
         model.load_state_dict(state)
@@ -160,6 +192,9 @@ def rollout_worker(*, version: int = 0, state: dict | None = None, liar: bool = 
     )
     if liar:
         worker.reward = lambda prompt, completion: 1.0
+    if lie_logprobs:
+        rng = random.Random(0)
+        worker.claim_logprobs = lambda logprobs: lie_about_logprobs(logprobs, rng)
     return worker
 
 
@@ -169,8 +204,10 @@ def swarm_of(monkeypatch):
     monkeypatch.setattr(feed_module, "WAIT_FOR_ROLLOUTS_S", WAIT_S)
     made: list[tuple[Swarm, RolloutFeed]] = []
 
-    def make(feed_options: dict | None = None, **workers) -> tuple[Swarm, RolloutFeed]:
-        swarm = Swarm({name.replace("_", "-"): options for name, options in workers.items()})
+    def make(
+        feed_options: dict | None = None, manifest: RunManifest = MANIFEST, **workers
+    ) -> tuple[Swarm, RolloutFeed]:
+        swarm = Swarm({name.replace("_", "-"): options for name, options in workers.items()}, manifest)
         feed = RolloutFeed(swarm.trainer, **(feed_options or {}))
         made.append((swarm, feed))
         return swarm, feed
@@ -355,3 +392,81 @@ def test_on_policy_turns_generate_a_whole_step_from_its_own_version_then_train_i
     assert sum(len(a.prompts) for a in asked(1)) == step_prompts
     assert feed.counts.samples == 2 * step_prompts * G  # nothing asked beyond each step
     assert feed.step_stats[1].versions == [1] * B and feed.report(1)["policy_lag"] == 0
+
+
+def checking_all(**rl) -> RunManifest:
+    """MANIFEST with every rollout reply drawn for a log-prob check."""
+    return dataclasses.replace(MANIFEST, rl=dataclasses.replace(MANIFEST.rl, verify_fraction=1.0, **rl))
+
+
+def test_a_peer_lying_about_logprobs_is_banned_and_its_buffered_completions_dropped(swarm_of):
+    swarm, feed = swarm_of(manifest=checking_all(), rollout_a={}, rollout_b={"lie_logprobs": True})
+    swarm.loop.call_soon_threadsafe(swarm.score_gate.clear)
+    swarm.settle()
+    next(feed)
+    # the checks are held while the feed fills its buffer (10 replies' groups), then it waits
+    wait_for_feed(
+        feed, lambda: feed.counts.samples == 10 * G and feed._in_flight == 0, "the feed's buffer to fill"
+    )
+    with feed._lock:
+        buffered_from_liar = sum(peer == "rollout-b" for *_, peer in feed._ready)
+    liar_replies = len(swarm.asked["rollout-b"])
+    assert buffered_from_liar > 0 and liar_replies > 0
+    assert feed.banned == {} and feed.counts.verify_skipped == 0
+
+    swarm.open_gate()
+    swarm.wait(lambda: "rollout-b" in swarm.struck, "the liar to be struck")
+    # until the feed is full and idle again (it asked the honest peer for more once the liar's
+    # completions went) and every reply's check ended
+    wait_for_feed(
+        feed,
+        lambda: (
+            feed._in_flight == 0
+            and len(feed._ready) // G >= 8
+            and feed.counts.verified + feed.counts.verify_failed
+            == len(swarm.asked["rollout-a"]) + liar_replies
+        ),
+        "the feed to refill and every check to end",
+    )
+    assert set(feed.banned) == {"rollout-b"}
+    why = feed.banned["rollout-b"]
+    assert "behaviour log-probs of version 0 are" in why and "tolerance 0.1 nats" in why
+    with feed._lock:
+        assert all(peer == "rollout-a" for *_, peer in feed._ready)
+    assert feed.counts.rejected == buffered_from_liar  # none of them left to train
+    # every reply was checked at the version the stages hold: the honest one's held, the liar's not
+    assert swarm.scored == [0] * (len(swarm.asked["rollout-a"]) + liar_replies)
+    assert feed.counts.verified == len(swarm.asked["rollout-a"]) and feed.counts.verify_failed == liar_replies
+    report = feed.report(0)
+    assert report["max_logprob_gap"] >= 1.0  # shifted by a nat, and shuffled
+    assert report["verified"] == feed.counts.verified and report["verify_failed"] == liar_replies
+    # training goes on from the honest peer alone, which is never asked to wait for the liar
+    asked_before = liar_replies
+    for _ in range(3):
+        next(feed)
+    assert len(swarm.asked["rollout-b"]) == asked_before and "rollout-a" not in feed.banned
+
+
+def test_honest_log_probs_pass_their_check_within_a_hundredth_of_a_nat(swarm_of):
+    swarm, feed = swarm_of(manifest=checking_all(logprob_tolerance=0.01), rollout_a={}, rollout_b={})
+    for _ in range(4):
+        next(feed)
+    wait_for_feed(feed, lambda: feed.counts.verified >= 4, "four replies to be checked")
+    assert feed.banned == {} and feed.counts.verify_failed == 0
+    assert 0 <= feed.counts.max_logprob_gap < 1e-3  # the same arithmetic, another batch shape
+
+
+def test_replies_of_older_versions_and_failed_score_passes_are_skipped_not_banned(swarm_of):
+    swarm, feed = swarm_of(manifest=checking_all(), rollout_a={"lie_logprobs": True})
+    swarm.trainer.step = 1  # the worker samples with version 0: within max_staleness, not checkable
+    next(feed)
+    assert swarm.scored == [] and feed.counts.verify_skipped >= 1
+
+    swarm.score_error = RemoteError("stage 1 is at step 2, not 1", cause=Cause.WRONG_STEP, retryable=False)
+    swarm.trainer.step = 0
+    skipped = feed.counts.verify_skipped
+    for _ in range(2):
+        next(feed)
+    wait_for_feed(feed, lambda: feed.counts.verify_skipped > skipped, "a failed check to be skipped")
+    assert feed.banned == {} and feed.counts.verified == feed.counts.verify_failed == 0
+    assert math.isnan(feed.report(0)["logprob_gap"])

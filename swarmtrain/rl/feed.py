@@ -25,6 +25,16 @@ the trainer none of them until all are in; so generation and training take turns
 colocated system where every GPU generates, then trains. It is the baseline
 `benchmarks/rl.py` compares the asynchronous split with.
 
+Verification. Rewards are recomputed for every reply; behaviour log-probs, which only the
+policy can recompute, for a sample: each reply is drawn with probability
+`RLConfig.verify_fraction`, and if it was sampled by the version the stages hold now, a
+microbatch of its completions is scored through the pipeline (`Trainer.score_async`, a
+forward-only pass counted in no step) on the trainer's loop, beside training. A mean gap
+between claimed and recomputed log-probs above `RLConfig.logprob_tolerance` bans the peer
+(`swarmtrain.rl.verify`) and drops its completions still buffered; those already trained on
+stay trained. A drawn reply of an older version is not checked (`verify_skipped`), nor is one
+whose score pass failed (a stage moved on, a replica died): that is no proof of a lie.
+
 Advantages are normalised within each prompt's group of G completions, all from one reply
 (one policy version). Each step's rewards, accuracy and counts are in `step_stats`.
 """
@@ -34,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import random
 import threading
 import time
@@ -46,6 +57,7 @@ from swarmtrain.model import build_model
 from swarmtrain.rl.generate import Trajectory
 from swarmtrain.rl.grpo import group_advantages, grpo_config, grpo_microbatch
 from swarmtrain.rl.registry import TaskSources, build_task
+from swarmtrain.rl.verify import check_microbatch, logprob_gap
 from swarmtrain.train.step import StepFailedError
 from swarmtrain.transport import handler_name
 from swarmtrain.wire.frames import Frame
@@ -84,6 +96,17 @@ class FeedCounts:
     """Completions asked of a peer that failed or died before answering."""
     refused: int = 0
     """Requests a rollout peer refused (behind the version asked for, draining, ...)."""
+    verified: int = 0
+    """Replies whose behaviour log-probs were recomputed through the pipeline and held."""
+    verify_failed: int = 0
+    """Replies whose log-probs did not hold (each banned its peer)."""
+    verify_skipped: int = 0
+    """Replies drawn for a check but not checked: sampled by an older version than the stages
+    hold, or their score pass failed."""
+    logprob_gap: float = float("nan")
+    """The last check's mean |claimed - recomputed| log-prob over completion tokens (nats)."""
+    max_logprob_gap: float = float("nan")
+    """The largest such gap seen (nats)."""
 
 
 class RolloutFeed:
@@ -125,7 +148,10 @@ class RolloutFeed:
         self.banned: dict[str, str] = {}
         self.step_stats: dict[int, StepStats] = collections.defaultdict(StepStats)
         self._lock = threading.Condition()
-        self._ready: collections.deque[tuple[Trajectory, float]] = collections.deque()
+        self._ready: collections.deque[tuple[Trajectory, float, str]] = collections.deque()
+        """Checked completions not trained yet: (trajectory, advantage, the peer that sent it)."""
+        self._verify_rng = random.Random(f"verify:{manifest.seed}:{seed}:{trainer.node.peer_id}")
+        self._checks: set[asyncio.Task] = set()
         self._retry: collections.deque[str] = collections.deque()
         self._in_flight = 0  # prompts asked for and not answered
         self._busy: set[str] = set()
@@ -156,7 +182,7 @@ class RolloutFeed:
             while len(taken) < self.microbatch_size:
                 step = self.trainer.step
                 while self._ready and len(taken) < self.microbatch_size:
-                    t, a = self._ready.popleft()
+                    t, a, _ = self._ready.popleft()
                     if step - t.policy_version > self.rl.max_staleness:
                         self.counts.stale += 1
                         if t.group_id >= 0:  # a group's first completion asks its prompt again
@@ -201,6 +227,11 @@ class RolloutFeed:
             "rejected": c.rejected,
             "lost": c.lost,
             "banned": len(self.banned),
+            "verified": c.verified,
+            "verify_failed": c.verify_failed,
+            "verify_skipped": c.verify_skipped,
+            "logprob_gap": c.logprob_gap,
+            "max_logprob_gap": c.max_logprob_gap,
         }
 
     def close(self) -> None:
@@ -244,8 +275,8 @@ class RolloutFeed:
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 await asyncio.sleep(0.05)
-        finally:  # close() or a failure: requests still out are not waited for
-            for task in list(tasks):
+        finally:  # close() or a failure: requests and checks still out are not waited for
+            for task in [*tasks, *self._checks]:
                 task.cancel()
 
     def _watch_steps(self) -> None:
@@ -351,13 +382,72 @@ class RolloutFeed:
             per_prompt = (time.monotonic() - asked_at) / count
             old = self._seconds_per_prompt.get(peer)
             self._seconds_per_prompt[peer] = per_prompt if old is None else 0.5 * old + 0.5 * per_prompt
+            banned = peer in self.banned  # banned while this reply was on its way
+            if taken and not banned:
+                self._maybe_verify(peer, [t for t, _ in taken])
             with self._lock:
-                self._ready.extend(taken)
-                self.counts.samples += len(taken)
                 self._in_flight -= count
+                if banned:
+                    self.counts.rejected += len(taken)
+                else:
+                    self._ready.extend((t, a, peer) for t, a in taken)
+                    self.counts.samples += len(taken)
                 self._lock.notify_all()
         finally:
             self._busy.discard(peer)
+
+    def _maybe_verify(self, peer: str, trajectories: list[Trajectory]) -> None:
+        """Draw whether to check this reply's log-probs; check it beside training if it is of the
+        version the stages hold (see Verification in the module docstring)."""
+        if self._verify_rng.random() >= self.rl.verify_fraction:
+            return
+        version = trajectories[0].policy_version
+        if version != self.trainer.step:
+            with self._lock:
+                self.counts.verify_skipped += 1
+            return
+        x, named = check_microbatch(
+            trajectories,
+            self._verify_rng,
+            microbatch_size=self.microbatch_size,
+            seq_len=self.seq_len,
+            temperature=self.temperature,
+        )
+        task = asyncio.create_task(self._verify(peer, version, x, named))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _verify(self, peer: str, version: int, x: torch.Tensor, named: dict) -> None:
+        try:
+            recomputed = await self.trainer.score_async(x, named, step=version)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a stage moved on, a replica died: no proof of anything
+            logger.info("log-probs of rollout peer %s not checked: %s", peer[-8:], e)
+            with self._lock:
+                self.counts.verify_skipped += 1
+                self._lock.notify_all()
+            return
+        gap = logprob_gap(recomputed, named)
+        held = gap <= self.rl.logprob_tolerance
+        if not held:
+            self._ban(
+                peer,
+                f"its behaviour log-probs of version {version} are {gap:.3f} nats from the policy's on "
+                f"average over {int(named['mask'].sum())} completion tokens (tolerance "
+                f"{self.rl.logprob_tolerance} nats)",
+            )
+        with self._lock:  # the counts and the dropping of the liar's completions seen at once
+            c = self.counts
+            c.logprob_gap = gap
+            c.max_logprob_gap = gap if math.isnan(c.max_logprob_gap) else max(c.max_logprob_gap, gap)
+            c.verified += held
+            c.verify_failed += not held
+            if not held:  # its completions not trained yet go
+                kept = collections.deque(item for item in self._ready if item[2] != peer)
+                c.rejected += len(self._ready) - len(kept)
+                self._ready = kept
+            self._lock.notify_all()
 
     def _give_back(self, prompts: list[str], *, rejected: int = 0, lost: int = 0) -> None:
         with self._lock:

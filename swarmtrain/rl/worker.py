@@ -97,6 +97,9 @@ class RolloutWorker:
         self.max_len = model.input_shape[0]
         self.reward = task.reward
         """What this peer claims a completion earns (the task's reward; trainers check it)."""
+        self.claim_logprobs: Callable[[list[tuple[float, ...]]], list] = list
+        """What this peer claims as each completion's behaviour log-probs, from its sampler's
+        (as they are; trainers check a sample of replies through the pipeline)."""
         self.wanted = -1
         """The newest version a trainer asked for or said the stages hold: it exists, though the
         DHT may not say so yet."""
@@ -159,7 +162,7 @@ class RolloutWorker:
         ]
         tensors = encode_completions(
             [t.completion_ids for t in trajectories],
-            [t.behaviour_logprobs for t in trajectories],
+            self.claim_logprobs([t.behaviour_logprobs for t in trajectories]),
             rewards,
             request.max_new_tokens,
         )
