@@ -5,8 +5,9 @@ token (`Trajectory.behaviour_logprobs`); GRPO's importance ratio divides by it, 
 that lies about it steers the update as surely as one that lies about rewards, and no
 reward check sees it. The trainer recomputes them for a sample of replies through the
 pipeline (`swarmtrain.train.scoring`), only for replies sampled by the version the stages
-hold, where the two must agree up to the sampler's arithmetic: a few thousandths of a nat
-at full precision, about a hundredth from 8-bit weights (`benchmarks/logprob_check.py`).
+hold, where the two must agree up to the sampler's arithmetic: ~1e-7 nats at full precision,
+under 0.02 from bf16/int8-coded or 8-bit weights, up to ~0.09 from 4-bit ones, on the small
+policy `benchmarks/logprob_check.py` measures (liars: 0.2 and up).
 A reply whose mean absolute gap over its completion tokens exceeds the run's
 `RLConfig.logprob_tolerance` bans its peer (`swarmtrain.rl.feed`).
 """

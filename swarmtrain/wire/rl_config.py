@@ -40,8 +40,10 @@ class RLConfig:
     (`--verify-fraction`)."""
     logprob_tolerance: float = 0.1
     """Nats: a checked reply whose claimed log-probs differ from the pipeline's by more than this
-    on average over its completion tokens bans its rollout peer. An honest peer sampling from
-    8-bit weights differs by ~0.01 (`benchmarks/logprob_check.py`) (`--logprob-tolerance`)."""
+    on average over its completion tokens bans its rollout peer. Honest peers measured on a
+    small policy (`benchmarks/logprob_check.py`): ~1e-7 at full precision, under 0.02 from
+    bf16/int8-coded or 8-bit weights, up to ~0.09 from 4-bit ones (raise it for those); liars
+    0.2 and up (`--logprob-tolerance`)."""
 
     def __post_init__(self):
         if not isinstance(self.task, str) or not 0 < len(self.task) <= MAX_TASK_CHARS:
