@@ -1,6 +1,7 @@
 """GRPO through a real swarm: rollout peers sample from the policy version the stages serve, the
-trainer recomputes every reward, bans a peer that lies about them, and goes on when a rollout
-peer is killed."""
+trainer recomputes every reward, bans a peer that lies about them, checks behaviour log-probs
+through the pipeline and bans a peer that lies about those, and goes on when a rollout peer is
+killed."""
 
 import math
 import random
@@ -32,7 +33,7 @@ def warm_model(where) -> None:
     save_model(model, where, builder="tiny-gpt", config=MODEL)
 
 
-def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_a_liar(local_swarm, tmp_path):
+def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_liars(local_swarm, tmp_path):
     warm_model(tmp_path / "warm")
     swarm = local_swarm(
         model_config=MODEL,
@@ -42,7 +43,7 @@ def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_a_liar(local_sw
         optimizer=OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.0),
         coordinator_args=(
             "--task", "add", "--samples-per-prompt", str(G), "--max-staleness", "2",
-            "--init-from", str(tmp_path / "warm"), "--checkpoint-every", "0",
+            "--init-from", str(tmp_path / "warm"), "--checkpoint-every", "0", "--verify-fraction", "1",
         ),
     )  # fmt: skip
     # the peer that survives keeps its policy copies in 8-bit (bitsandbytes, on the CPU here)
@@ -51,12 +52,18 @@ def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_a_liar(local_sw
         swarm.spawn_rollout(extra_args=("--quantize", "8bit"), wait=False),
     ]
     liar = swarm.spawn_rollout(extra_args=("--inject-fault", "lie"), wait=False)
-    ids = {name: swarm.wait_ready(name) for name in [*honest, liar]}
+    logprob_liar = swarm.spawn_rollout(extra_args=("--inject-fault", "lie-logprobs"), wait=False)
+    ids = {name: swarm.wait_ready(name) for name in [*honest, liar, logprob_liar]}
 
     with swarm.trainer() as trainer:
         feed = RolloutFeed(trainer)
         results = list(trainer.train(feed, steps=4))
         wait_until(lambda: ids[liar] in feed.banned, timeout_s=60, what="the lying rollout peer to be banned")
+        wait_until(
+            lambda: ids[logprob_liar] in feed.banned,
+            timeout_s=60,
+            what="the rollout peer lying about log-probs to be banned",
+        )
         swarm.signal(honest[0], signal.SIGKILL)
         results += trainer.train(feed, steps=3)
         reports = [feed.report(r.step) for r in results]
@@ -75,7 +82,10 @@ def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_a_liar(local_sw
     assert all(r.completed == 4 and r.dropped == 0 for r in results)
     assert "claimed reward 1.0" in feed.banned[ids[liar]]
     assert feed.counts.rejected >= G  # the liar's whole reply went, none of it trained
-    assert set(feed.banned) == {ids[liar]}
+    assert set(feed.banned) == {ids[liar], ids[logprob_liar]}  # the honest ones passed every check
+    assert "behaviour log-probs of version" in feed.banned[ids[logprob_liar]]
+    assert feed.counts.verify_failed >= 1 and feed.counts.verified >= 1
+    assert feed.counts.max_logprob_gap >= 1.0  # the liar's; an honest check is far under the 0.1 tolerance
     for report in reports:
         assert 0 <= report["policy_lag"] <= 2, reports  # nothing staler than --max-staleness trained
         assert 0 <= report["reward"] <= 1
