@@ -69,6 +69,7 @@ def snapshot(swarm: InProcessSwarm) -> dict:
             r.runner.report(),
             r.runner.num_pending,
             r.scheduler.tasks_run,
+            len(r.started),  # what fault injection (`kill_on_task`, `--inject-fault`) counts
             r.service.counters.served,
             float(sum(p.grad.abs().sum() for p in r.runner.params)),
         )
