@@ -22,7 +22,7 @@ from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the record
     _from_dict,
 )
 
-WIRE_VERSION = 10
+WIRE_VERSION = 11
 """9: RL runs (the manifest's rl, rollout peers and their requests).
 8: policy versions ('weights' requests, the cause 'version_gone'), the run's weight readers.
 7: checkpoints (the run's cadence, the steps a peer holds, the 'lost' state).
