@@ -21,8 +21,8 @@ import torch
 
 from swarmtrain.errors import BadFrameError, SwarmError
 from swarmtrain.train.authority import microbatch_id
-from swarmtrain.train.hop import Hop, HopContext, HopFailedError
-from swarmtrain.train.serving import INPUT, SCORES, scores_check
+from swarmtrain.train.hop import Hop, HopFailedError
+from swarmtrain.train.serving import SCORES, scores_check
 from swarmtrain.train.step import next_epoch
 from swarmtrain.train.trainer_context import TrainerContext
 from swarmtrain.wire.frames import Frame
@@ -51,23 +51,12 @@ async def score_pass(
     check_scores = scores_check(tuple(targets.shape))
 
     def build(target: str, is_replay: bool, budget_s: float) -> Frame:
-        return Frame(
-            kind="forward",
-            run_id=ctx.run_id,
-            mb_id=mb,
-            stage=0,
-            step=step,
-            tensors={INPUT: x, **loss_inputs},
-            meta=replace(meta, budget_s=budget_s).to_meta(),
-        )
+        return ctx.stage0_frame(mb, step, x, loss_inputs, replace(meta, budget_s=budget_s))
 
     def check(reply: Frame) -> None:
         if reply.step != step:
             raise BadFrameError(f"a score pass of step {step} was answered at step {reply.step}")
         check_scores(reply)
-
-    async def stage0() -> list[str]:
-        return (await ctx.replicas()).get(0, [])
 
     hop = Hop(
         build=build,
@@ -77,15 +66,8 @@ async def score_pass(
         route_len=ctx.num_stages,
         check=check,
     )
-    hops = HopContext(
-        router=ctx.router,
-        transport=ctx.transport,
-        handler=ctx.handler,
-        candidates=stage0,
-        wait_for_replica=ctx.wait_for_replica,
-    )
     try:
-        done = await hop.send(hops)
+        done = await hop.send(ctx.stage0_hops())
     except HopFailedError as e:
         raise ScoreFailedError(f"score pass of step {step}: {e}") from None
     return done.reply.tensors[SCORES]

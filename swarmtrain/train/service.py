@@ -197,7 +197,9 @@ class StageService:
         self.in_flight += 1
         try:
             reply = await self.forward.on_forward(frame, caller)
-            if not frame.meta.get("score"):  # a score pass counts in `scored`, not as a microbatch
+            if frame.meta.get("score"):  # a score pass is no microbatch served
+                self.counters.scored += 1
+            else:
                 self.counters.served += 1
             return reply
         except BaseException:

@@ -237,7 +237,6 @@ class ForwardServer:
                     route=(ctx.peer_id, *downstream.route),
                     replays=len(hop.failures) + downstream.replays,
                 )
-        self.counters.scored += 1
         return self._reply(frame, result, started, {SCORES: scores})
 
     def _check_step(self, step: int) -> None:

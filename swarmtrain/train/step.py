@@ -33,7 +33,7 @@ from swarmtrain.schedule.accounting import Repair
 from swarmtrain.schedule.static import assign
 from swarmtrain.train.authority import microbatch_id
 from swarmtrain.train.committer import SOLO, Deferred, StepCommit, StepFailedError
-from swarmtrain.train.hop import Hop, HopContext, HopFailedError, HopFailure
+from swarmtrain.train.hop import Hop, HopFailedError, HopFailure
 from swarmtrain.train.optim import lr_at
 from swarmtrain.train.run_length import finished_error, is_finished
 from swarmtrain.train.step_account import Committed, Share
@@ -86,16 +86,7 @@ class TrainerStep:
         self.ledger = StepLedger(issued=tuple(self.ids))
         self.timeouts = 0
         self.started = time.monotonic()
-        self._hops = HopContext(
-            router=ctx.router,
-            transport=ctx.transport,
-            handler=ctx.handler,
-            candidates=self._stage0,
-            wait_for_replica=ctx.wait_for_replica,
-        )
-
-    async def _stage0(self) -> list[str]:
-        return (await self.ctx.replicas()).get(0, [])
+        self._hops = ctx.stage0_hops()
 
     # flow
 
@@ -128,14 +119,8 @@ class TrainerStep:
             )
 
         def build(target: str, is_replay: bool, budget_s: float) -> Frame:
-            return Frame(
-                kind="forward",
-                run_id=ctx.run_id,
-                mb_id=mb,
-                stage=0,
-                step=self.step,
-                tensors={"x": x, **loss_inputs},
-                meta=replace(meta, replay=is_replay, budget_s=budget_s).to_meta(),
+            return ctx.stage0_frame(
+                mb, self.step, x, loss_inputs, replace(meta, replay=is_replay, budget_s=budget_s)
             )
 
         def failed(failure: HopFailure) -> None:

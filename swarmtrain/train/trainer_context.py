@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import torch
+
 from swarmtrain.schedule import ReadinessRouter
+from swarmtrain.train.hop import HopContext
 from swarmtrain.transport import TensorTransport, handler_name
+from swarmtrain.wire.frames import Frame
+from swarmtrain.wire.messages import ForwardMeta
 from swarmtrain.wire.records import OptimizerConfig
 
 
@@ -47,3 +52,31 @@ class TrainerContext:
     @property
     def handler(self) -> str:
         return handler_name(self.run_id)
+
+    def stage0_hops(self) -> HopContext:
+        """How this trainer's microbatches (and score passes) reach stage 0."""
+
+        async def stage0() -> list[str]:
+            return (await self.replicas()).get(0, [])
+
+        return HopContext(
+            router=self.router,
+            transport=self.transport,
+            handler=self.handler,
+            candidates=stage0,
+            wait_for_replica=self.wait_for_replica,
+        )
+
+    def stage0_frame(
+        self, mb_id: str, step: int, x: torch.Tensor, loss_inputs: dict[str, torch.Tensor], meta: ForwardMeta
+    ) -> Frame:
+        """The forward frame that carries microbatch `mb_id` (inputs `x`, named loss inputs) into stage 0."""
+        return Frame(
+            kind="forward",
+            run_id=self.run_id,
+            mb_id=mb_id,
+            stage=0,
+            step=step,
+            tensors={"x": x, **loss_inputs},
+            meta=meta.to_meta(),
+        )
