@@ -5,6 +5,8 @@
 - `join`: `join_stage` (the planner's choice for a joining peer) and `serving_stage` (a peer
   that must serve a stage: an empty one first, `join_stage`'s next, the slowest per replica last)
 - `rebalance`: `best_move`, `should_move` and the `Rebalancer` hysteresis
+- `rl`: RL runs: `split_rl` (stages on the peers best at training, rollouts on the rest, so
+  sampling keeps up with training), `join_role`, `best_role_move` and `RoleRebalancer`
 
 Plain data in, plain data out: no I/O and no torch, so the simulator and the peers run the same code.
 """
@@ -20,6 +22,15 @@ from swarmtrain.plan.cost_model import (
 from swarmtrain.plan.join import join_stage, serving_stage
 from swarmtrain.plan.planner import Plan, PlanEvaluation, evaluate, even_split_plan, plan_swarm
 from swarmtrain.plan.rebalance import MoveCandidate, RebalanceConfig, Rebalancer, best_move, should_move
+from swarmtrain.plan.rl import (
+    RLDemand,
+    RLSplit,
+    RoleMove,
+    RoleRebalancer,
+    best_role_move,
+    join_role,
+    split_rl,
+)
 
 __all__ = [
     "BlockCost",
@@ -29,15 +40,22 @@ __all__ = [
     "Plan",
     "PlanConfig",
     "PlanEvaluation",
+    "RLDemand",
+    "RLSplit",
     "RebalanceConfig",
     "Rebalancer",
+    "RoleMove",
+    "RoleRebalancer",
     "best_move",
+    "best_role_move",
     "even_split_plan",
     "evaluate",
+    "join_role",
     "join_stage",
     "plan_swarm",
     "serving_stage",
     "should_move",
+    "split_rl",
     "transformer_block_cost",
     "usable_memory",
 ]

@@ -92,6 +92,11 @@ class PeerCapacity:
     """May be preempted at any time; a stage held by few replicas prefers a non-spot peer."""
     rtt_s: float = 0.0
     """Typical round-trip time to other peers; informational, the throughput model ignores it."""
+    decode_tokens_per_s: float = 0.0
+    """RL runs: tokens per second the peer decodes when it samples the run's policy (G completions
+    of a few prompts at once, KV-cached), as its probe measured; 0 when it cannot sample (not
+    measured, or two copies of the policy do not fit its memory). Sampling is memory-bandwidth
+    bound, so this does not follow `flops_per_s` (`swarmtrain.plan.rl`)."""
 
     def __post_init__(self):
         if not isinstance(self.peer_id, str) or not self.peer_id:
@@ -101,6 +106,7 @@ class PeerCapacity:
         _check_number(owner, "memory_bytes", self.memory_bytes)
         _check_number(owner, "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True)
         _check_number(owner, "rtt_s", self.rtt_s)
+        _check_number(owner, "decode_tokens_per_s", self.decode_tokens_per_s)
 
 
 @dataclass(frozen=True, kw_only=True)
