@@ -48,6 +48,10 @@ app = typer.Typer(
 app.command()(coordinator)
 
 
+ROLLOUT_FAULTS = ("lie", "lie-logprobs")
+"""The faults a rollout peer takes (`--inject-fault`); a `--role auto` peer gives each role its own."""
+
+
 @app.command()
 def join(
     initial_peers: InitialPeers,
@@ -56,7 +60,9 @@ def join(
         str,
         typer.Option(
             help="stage: serve a pipeline stage; rollout: hold a whole copy of an RL run's policy and "
-            "sample completions for its trainers."
+            "sample completions for its trainers; auto: the role the run's planner gives this machine "
+            "(a stage in pre-training; in an RL run, stages on the machines best at training, rollouts "
+            "on the rest), switched when the swarm changes."
         ),
     ] = "stage",
     stage: Annotated[
@@ -110,12 +116,21 @@ def join(
     slowdown: Annotated[
         float, typer.Option(min=1.0, help="Make compute take this many times longer (emulates a slower GPU).")
     ] = 1.0,
+    sample_slowdown: Annotated[
+        float | None,
+        typer.Option(
+            min=1.0,
+            help="Rollout and auto peers: make sampling take this many times longer (emulates a GPU "
+            "whose memory bandwidth is less far behind than its compute).",
+            show_default="--slowdown",
+        ),
+    ] = None,
     rebalance_every: Annotated[
         float,
         typer.Option(
             min=0.0,
-            help="Seconds between checks whether moving to another stage would raise swarm throughput "
-            "(by >10%, 3 checks in a row); 0 never moves.",
+            help="Seconds between checks whether moving to another stage (or, with --role auto, to the "
+            "other role) would raise swarm throughput (by >10%, 3 checks in a row); 0 never moves.",
         ),
     ] = 10.0,
     slowdown_file: Annotated[
@@ -181,15 +196,38 @@ def join(
     from swarmtrain.transport import TransportConfig
 
     def main() -> None:
-        if role not in ("stage", "rollout"):
-            raise ConfigError(f"--role must be 'stage' or 'rollout', got {role!r}")
+        if role not in ("stage", "rollout", "auto"):
+            raise ConfigError(f"--role must be 'stage', 'rollout' or 'auto', got {role!r}")
         if role == "rollout":
             return _join_rollout()
+        if role == "auto":
+            return _join_auto()
         if quantize is not None:
             raise ConfigError(
-                "--quantize is for rollout peers (--role rollout); a stage trains in full precision"
+                "--quantize is for rollout peers (--role rollout or auto); a stage trains in full precision"
             )
-        config = StageConfig(
+        if sample_slowdown is not None:
+            raise ConfigError("--sample-slowdown is for --role auto; a stage peer's --slowdown is its own")
+        peer = StagePeer(_stage_config())
+        if ready_file is not None:
+            peer.on_serving = lambda: _write_atomic(ready_file, peer.node.peer_id)
+        else:
+            peer.on_serving = lambda: _announce_stage(peer)
+        peer.on_finished = typer.echo
+        peer.run()
+
+    def _announce_stage(peer) -> None:
+        typer.echo(
+            f"serving stage {peer.stage} of run {peer.manifest.run_id!r} on {peer.config.device} as {peer.node.peer_id}"
+        )
+
+    def _announce_rollout(peer) -> None:
+        typer.echo(
+            f"sampling for run {peer.manifest.run_id!r} on {peer.config.device} as {peer.node.peer_id}"
+        )
+
+    def _stage_config():
+        return StageConfig(
             node=NodeConfig(
                 initial_peers=tuple(initial_peers),
                 host=host,
@@ -211,29 +249,19 @@ def join(
             max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
             is_spot=spot,
             slowdown_file=None if slowdown_file is None else str(slowdown_file),
-            fault=inject_fault,
+            fault=None if inject_fault in ROLLOUT_FAULTS else inject_fault,
             checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
             checkpoint_keep=checkpoint_keep,
             versions=VersionsConfig(keep_versions=keep_versions),
             models=ModelSources(allow=tuple(allow_model or ())),
         )
-        peer = StagePeer(config)
-        if ready_file is not None:
-            peer.on_serving = lambda: _write_atomic(ready_file, peer.node.peer_id)
-        else:
-            peer.on_serving = lambda: typer.echo(
-                f"serving stage {peer.stage} of run {peer.manifest.run_id!r} on {config.device} as {peer.node.peer_id}"
-            )
-        peer.on_finished = typer.echo
-        peer.run()
 
-    def _join_rollout() -> None:
-        from swarmtrain.peers.rollout import RolloutConfig, RolloutPeer
+    def _rollout_config():
+        from swarmtrain.peers.rollout import RolloutConfig
         from swarmtrain.rl.quantize import check_mode
 
         check_mode(quantize)
-
-        config = RolloutConfig(
+        return RolloutConfig(
             node=NodeConfig(
                 initial_peers=tuple(initial_peers),
                 host=host,
@@ -246,18 +274,38 @@ def join(
             num_threads=threads,
             models=ModelSources(allow=tuple(allow_model or ())),
             quantize=quantize,
-            slowdown=slowdown,
+            slowdown=slowdown if sample_slowdown is None else sample_slowdown,
             max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
-            fault=inject_fault,
+            fault=inject_fault if role == "rollout" or inject_fault in ROLLOUT_FAULTS else None,
+            rebalance_s=rebalance_every,
         )
-        peer = RolloutPeer(config)
+
+    def _join_rollout() -> None:
+        from swarmtrain.peers.rollout import RolloutPeer
+
+        peer = RolloutPeer(_rollout_config())
         if ready_file is not None:
             peer.on_serving = lambda: _write_atomic(ready_file, peer.node.peer_id)
         else:
-            peer.on_serving = lambda: typer.echo(
-                f"sampling for run {peer.manifest.run_id!r} on {config.device} as {peer.node.peer_id}"
-            )
+            peer.on_serving = lambda: _announce_rollout(peer)
         peer.run()
+
+    def _join_auto() -> None:
+        from swarmtrain.peers.auto import AutoPeer
+
+        stage_config, rollout_config = _stage_config(), _rollout_config()
+        auto = AutoPeer(stage_config, rollout_config)
+
+        def on_role(role, peer) -> None:
+            if ready_file is not None:  # the id once it serves, a line per role after that
+                peer.on_serving = lambda: _write_atomic(ready_file, peer.node.peer_id)
+            else:
+                peer.on_serving = lambda: (_announce_stage if role == "stage" else _announce_rollout)(peer)
+            if role == "stage":
+                peer.on_finished = typer.echo
+
+        auto.on_role = on_role
+        auto.run()
 
     run_guarded(main)
 

@@ -247,10 +247,14 @@ class LocalSwarm:
 
     def spawn_rollout(self, *, extra_args: tuple[str, ...] = (), wait: bool = True) -> str:
         """Start a rollout peer of this (RL) run; returns its name."""
+        return self.spawn_role("rollout", extra_args=extra_args, wait=wait)
+
+    def spawn_role(self, role: str, *, extra_args: tuple[str, ...] = (), wait: bool = True) -> str:
+        """Start a peer with `join --role ROLE` ('rollout' or 'auto'); returns its name."""
         self._count += 1
-        name = f"rollout-{self._count}"
+        name = f"{role}-{self._count}"
         args = [
-            "join", "--role", "rollout",
+            "join", "--role", role,
             "--initial-peers", self.address,
             "--run-id", self.config.run_id,
             "--gpu", "cpu",

@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from hivemind.utils import get_dht_time
@@ -28,6 +28,7 @@ from swarmtrain.errors import ConfigError, RemoteError
 from swarmtrain.model import ModelSources, build_model
 from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.self_measure import device_label
+from swarmtrain.rl.generate import measure_decode
 from swarmtrain.rl.grpo import grpo_config
 from swarmtrain.rl.quantize import check_mode, parameter_bytes, quantize_model
 from swarmtrain.rl.registry import TaskSources, build_task
@@ -66,6 +67,18 @@ class RolloutConfig:
     """Testing: 'lie' claims reward 1 for every completion; 'lie-logprobs' claims the right
     rewards but wrong behaviour log-probs (`swarmtrain.rl.verify.lie_about_logprobs`). Trainers
     must ban either peer."""
+    probe_s: float = 0.3
+    """Seconds of sampling timed at start-up: the decode rate the peer announces
+    (`capacity['decode_tokens_per_s']`, divided by `slowdown`), which the RL planner reads."""
+    capacity: dict = field(default_factory=dict)
+    """Capacity keys announced besides the decode rate: a `--role auto` peer's probe and `role_auto`."""
+    auto_role: bool = False
+    """Started with `--role auto`: every `rebalance_s` it asks the run's planner whether it should
+    hold a stage instead (`swarmtrain.rl.roles.RoleChecker`) and leaves to do so (`switch_role`)."""
+    rebalance_s: float = 10.0
+    """Seconds between role checks (auto peers only)."""
+    rebalance_patience: int = 3
+    """Consecutive checks a switch must stay worthwhile (by more than 10%) before the peer switches."""
 
 
 class RolloutPeer:
@@ -119,6 +132,26 @@ class RolloutPeer:
             raise ConfigError(
                 f"a rollout peer's --inject-fault takes 'lie' or 'lie-logprobs', got {config.fault!r}"
             )
+        self.capacity = dict(config.capacity)
+        """What the record announces: the decode rate this peer measured, and `config.capacity`."""
+        self.capacity.setdefault("decode_tokens_per_s", None)  # an auto peer measured it already
+        self.capacity["decode_tokens_per_s"] = self.capacity["decode_tokens_per_s"] or (
+            measure_decode(
+                models[0],
+                self.task,
+                samples_per_prompt=m.rl.samples_per_prompt,
+                seconds=config.probe_s,
+                temperature=grpo_config(m.loss).temperature,
+            )
+            / config.slowdown
+        )
+        self._role_checker = None
+        if config.auto_role:
+            from swarmtrain.rl.roles import RoleChecker
+
+            self._role_checker = RoleChecker(m, tasks=config.tasks, patience=config.rebalance_patience)
+        self.switch_role: str | None = None
+        """Set when the peer left to take another role (`--role auto`): 'stage'."""
         self.on_serving = lambda: None
         self._stop = threading.Event()
         self._since = get_dht_time()
@@ -139,6 +172,7 @@ class RolloutPeer:
             bytes_received=s.update_bytes,
             busy_s=s.sample_seconds,
             failed=s.refused,
+            capacity=self.capacity,
         )
 
     def run(self) -> None:
@@ -171,7 +205,7 @@ class RolloutPeer:
         await transport.serve(handler_name(self.manifest.run_id), self.worker.handle)
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=3 * self.config.heartbeat_s)
         self.on_serving()
-        beat = time.monotonic()
+        beat = checked = time.monotonic()
         wanted = asyncio.Event()
         self.worker.on_wanted = wanted.set
         while not self._stop.is_set():
@@ -184,9 +218,25 @@ class RolloutPeer:
                 await self.node.announce_async(
                     self.manifest.run_id, self.record(), ttl_s=3 * self.config.heartbeat_s
                 )
+            if self._role_checker is not None and time.monotonic() - checked >= self.config.rebalance_s:
+                checked = time.monotonic()
+                self.switch_role = await self._check_role()
+                if self.switch_role is not None:
+                    logger.warning(
+                        "leaving the rollouts to take the %s role the run's planner gives", self.switch_role
+                    )
+                    break
         await self.node.announce_async(
             self.manifest.run_id, self.record("draining"), ttl_s=self.config.heartbeat_s
         )
+
+    async def _check_role(self) -> str | None:
+        try:
+            records = await self.node.peers_async(self.manifest.run_id)
+            return self._role_checker.check(self.node.peer_id, records)
+        except Exception as e:  # a failed check must not stop sampling
+            logger.warning("role check failed: %r", e)
+            return None
 
     async def _update(self, source, fetch: FetchConfig) -> bool:
         """Take a newer version than ours if the stages serve one: the one a trainer last asked

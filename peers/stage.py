@@ -76,6 +76,9 @@ class StagePeer:
         self._beat_soon = self._resync = None  # the tasks of heartbeat_soon and resync_soon
         self.capacity: dict = {}
         self._rebalancer = None
+        self._role_checker = None
+        self.switch_role: str | None = None
+        """Set when the peer left its stage to take another role (`--role auto`): 'rollout'."""
         self._memory: list[tuple[int, int]] = []
         self.moves = 0
         self.checkpoints: StageCheckpointer | None = None
@@ -135,6 +138,7 @@ class StagePeer:
             slowdown=cfg.slowdown,
         )
         self.capacity = await self._loop.run_in_executor(None, probe)  # alone: it times compute
+        self.capacity.update(cfg.announce)
         self._memory = await self._loop.run_in_executor(None, stage_memory_figures, manifest)
         fits = [True] * manifest.num_stages
         if cfg.max_memory_bytes is not None:
@@ -161,6 +165,10 @@ class StagePeer:
             from swarmtrain.train.placement import StageRebalancer
 
             self._rebalancer = StageRebalancer(manifest, patience=cfg.rebalance_patience)
+            if cfg.auto_role and manifest.rl is not None:
+                from swarmtrain.rl.roles import RoleChecker
+
+                self._role_checker = RoleChecker(manifest, tasks=cfg.tasks, patience=cfg.rebalance_patience)
         await self._heartbeat()  # a member of its stage (joining): its replicas hand it their state
         await self._sync_from_replica()
         records = await self.node.peers_async(self.manifest.run_id)  # the planner's network term:
@@ -432,11 +440,20 @@ class StagePeer:
             if self._rebalancer is not None and time.monotonic() - last_check >= self.config.rebalance_s:
                 last_check = time.monotonic()
                 try:
-                    target = self._rebalancer.check(
-                        self.peer_id, await self.node.peers_async(self.manifest.run_id)
-                    )
+                    records = await self.node.peers_async(self.manifest.run_id)
+                    target = self._rebalancer.check(self.peer_id, records)
                     if target is not None:
                         await self._switch_stage(target)
+                    elif self._role_checker is not None and self.state == "serving":
+                        role = self._role_checker.check(self.peer_id, records)
+                        if role is not None:
+                            logger.warning(
+                                "leaving stage %d to take the %s role the run's planner gives",
+                                self.stage,
+                                role,
+                            )
+                            self.switch_role = role
+                            self._stop.set()
                 except Exception as e:  # a failed check or move must not stop serving
                     logger.warning("rebalancing failed: %r", e)
             try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import ModelSources
 from swarmtrain.peers.faults import FaultInjector
+from swarmtrain.rl.registry import TaskSources
 from swarmtrain.swarm import NodeConfig
 from swarmtrain.train.versions import VersionsConfig
 from swarmtrain.transport import TransportConfig
@@ -61,6 +62,15 @@ class StageConfig:
     models: ModelSources = field(default_factory=ModelSources)
     """Import paths of builders this peer lets a run's manifest name (--allow-model); registered
     names and installed entry points need none."""
+    auto_role: bool = False
+    """Started with `--role auto`: in an RL run, at every rebalancing check it asks the run's
+    planner whether it should sample instead (`swarmtrain.rl.roles.RoleChecker`) and leaves,
+    draining, to do so (`StagePeer.switch_role`)."""
+    announce: dict = field(default_factory=dict)
+    """Capacity keys announced besides the probe's: a `--role auto` peer's decode rate and
+    `role_auto`."""
+    tasks: TaskSources = field(default_factory=TaskSources)
+    """Import paths of RL tasks this peer lets a run's manifest name (the role checks build it)."""
 
     def __post_init__(self):
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:

@@ -141,3 +141,53 @@ def test_grpo_trains_a_hugging_face_policy_through_the_swarm(local_swarm, tmp_pa
     assert any(feed.report(r.step)["reward"] > 0 for r in results)
     moved = [k for k in before[1] if not torch.equal(before[1][k], after[1][k])]
     assert moved, "no parameter of the last stage changed"
+
+
+def test_auto_peers_take_the_planners_roles_and_refill_a_stage_that_lost_its_last_replica(local_swarm):
+    """`join --role auto` through a real swarm. The first auto peer samples (the stage is held
+    and nothing samples); a small machine (two policy copies fit in --max-memory, a stage does
+    not) samples too. The first one trains 100x slower than it samples, so holding a second
+    replica of the stage would add ~1%: it stays a rollout peer while the stage peer lives.
+    When that peer dies the planner's next checks move it to the empty stage, under the same
+    peer id, and the run trains with the small machine sampling."""
+    swarm = local_swarm(
+        model_config=MODEL,
+        num_stages=1,
+        loss="grpo",
+        batch=BatchConfig(microbatch_size=16, microbatches_per_step=2, max_in_flight=2),
+        optimizer=OptimizerConfig(name="adamw", lr=1e-3, weight_decay=0.0),
+        coordinator_args=("--task", "add", "--samples-per-prompt", str(G), "--checkpoint-every", "0"),
+    )
+    check = ("--rebalance-every", "1")
+    flexible = swarm.spawn_role("auto", extra_args=("--slowdown", "100", *check))
+    small = swarm.spawn_role("auto", extra_args=("--max-memory", "1.5MB", *check))
+    ids = {name: swarm.wait_ready(name) for name in (flexible, small)}
+
+    with swarm.trainer() as trainer:
+
+        def record(name):
+            return next((r for r in trainer.node.peers("demo") if r.peer_id == ids[name]), None)
+
+        for name in (flexible, small):
+            assert record(name).role == "rollout"
+            assert record(name).capacity["role_auto"] is True
+            assert record(name).capacity["decode_tokens_per_s"] > 0
+        stage_peer = next(r for r in trainer.node.peers("demo") if r.role == "stage")
+        assert "role_auto" not in stage_peer.capacity  # started as a stage peer: never moved
+        stage_name = next(name for name in swarm.procs if name.startswith("stage"))
+        swarm.signal(stage_name, signal.SIGKILL)
+        wait_until(
+            lambda: (
+                record(flexible) is not None
+                and record(flexible).role == "stage"
+                and record(flexible).state == "serving"
+            ),
+            timeout_s=90,
+            what="the auto rollout peer to hold the stage that lost its last replica",
+        )
+        assert record(small).role == "rollout"  # it fits no stage
+        feed = RolloutFeed(trainer)
+        results = list(trainer.train(feed, steps=2))
+        assert feed.counts.samples >= 2 * 16 * 2
+    assert [r.step for r in results] == [0, 1]
+    assert all(math.isfinite(r.loss) and r.completed == 2 for r in results)

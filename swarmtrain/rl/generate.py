@@ -18,6 +18,7 @@ Rewards are not computed here: `rollout` scores completions with a task, from th
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -210,3 +211,34 @@ def accuracy(model: SwarmModel, task: Task, n: int, *, seed: int = 0) -> float:
 def train_prompts(task: Task, n: int, rng: random.Random) -> list[str]:
     """`n` train-split prompts drawn with `rng` (repeats possible)."""
     return [task.train_prompt(rng) for _ in range(n)]
+
+
+def measure_decode(
+    model: SwarmModel,
+    task: Task,
+    *,
+    samples_per_prompt: int,
+    prompts: int = 4,
+    seconds: float = 0.3,
+    temperature: float = 1.0,
+) -> float:
+    """Decode tokens per second `model` achieves sampling as a rollout peer does: G =
+    `samples_per_prompt` completions of `prompts` train prompts at once, repeated for about
+    `seconds` (at least once, after one warm-up batch). Every sample counts the task's whole
+    completion budget (`task.max_new_tokens`), so the rate in samples per second is this over
+    that budget: what the RL planner divides (`swarmtrain.plan.rl`)."""
+    if not seconds > 0 or prompts < 1:
+        raise ConfigError(f"measure_decode needs seconds > 0 and prompts >= 1, got {seconds!r}, {prompts!r}")
+    cfg = SamplingConfig(
+        samples_per_prompt=samples_per_prompt, temperature=temperature, max_new_tokens=task.max_new_tokens
+    )
+    rng = random.Random(0)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    batch = [task.tokenizer.encode(p) for p in train_prompts(task, prompts, rng)]
+    generate(model, batch, cfg, stop_id=task.tokenizer.end_id, generator=generator)  # warm-up
+    samples, start = 0, time.perf_counter()
+    while True:
+        samples += len(generate(model, batch, cfg, stop_id=task.tokenizer.end_id, generator=generator))
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return samples * task.max_new_tokens / elapsed

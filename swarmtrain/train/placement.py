@@ -46,7 +46,7 @@ def plan_for_peers(
 ) -> Plan:
     """Stage boundaries and replicas for `peers`, maximising predicted pipeline throughput
     (replicas cost a gradient all-reduce per step, which the planner weighs)."""
-    tokens_per_sample = _tokens_per_sample(model, model_config)
+    tokens_per_sample = sample_positions(model, model_config)
     config = PlanConfig(
         tokens_in_flight=tokens_per_sample * microbatch_size * max_in_flight,
         tokens_per_step=tokens_per_sample * microbatch_size * microbatches_per_step,
@@ -56,7 +56,9 @@ def plan_for_peers(
     return plan_swarm(costs, peers, config)
 
 
-def _tokens_per_sample(model: str, model_config: dict) -> int:
+def sample_positions(model: str, model_config: dict) -> int:
+    """Positions one sample puts through the pipeline: the model's sequence length (1 for a
+    model whose input has no positions)."""
     meta = build_model(model, model_config, device="meta")
     return meta.input_shape[0] if meta.input_shape else 1  # (T,) for token models
 
@@ -74,7 +76,7 @@ def manifest_costs(manifest: RunManifest) -> list[BlockCost]:
 def manifest_plan_config(manifest: RunManifest) -> PlanConfig:
     """How the planner models the run: the tokens a stage holds in flight and the tokens of
     one optimizer step (over which replicas average), from the manifest's batch settings."""
-    tokens = _tokens_per_sample(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
+    tokens = sample_positions(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
     return PlanConfig(
         tokens_in_flight=tokens * manifest.batch.max_in_flight,
         tokens_per_step=tokens * manifest.batch.microbatches_per_step,
@@ -83,8 +85,9 @@ def manifest_plan_config(manifest: RunManifest) -> PlanConfig:
 
 def peer_capacity(peer_id: str, capacity: Mapping[str, Any] | None) -> PeerCapacity:
     """A capacity dict (the keys of `PeerRecord.capacity`: flops_per_s, memory_bytes,
-    bandwidth_bytes_per_s, is_spot) as the planner's PeerCapacity; missing keys take a
-    modest default (1 GFLOP/s, 16 GiB, loopback bandwidth, not spot)."""
+    bandwidth_bytes_per_s, is_spot, decode_tokens_per_s) as the planner's PeerCapacity;
+    missing keys take a modest default (1 GFLOP/s, 16 GiB, loopback bandwidth, not spot, no
+    sampling)."""
     cap = capacity or {}
     return PeerCapacity(
         peer_id=peer_id,
@@ -92,6 +95,7 @@ def peer_capacity(peer_id: str, capacity: Mapping[str, Any] | None) -> PeerCapac
         memory_bytes=float(cap.get("memory_bytes", 2**34)),
         bandwidth_bytes_per_s=float(cap.get("bandwidth_bytes_per_s", LOOPBACK_BYTES_PER_S)),
         is_spot=bool(cap.get("is_spot", False)),
+        decode_tokens_per_s=float(cap.get("decode_tokens_per_s", 0.0)),
     )
 
 
@@ -248,7 +252,7 @@ def stage_memory_figures(manifest: RunManifest) -> list[tuple[int, int]]:
         microbatch_size=manifest.batch.microbatch_size,
         optimizer=manifest.optimizer.name,
     )
-    tokens = _tokens_per_sample(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
+    tokens = sample_positions(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
     out = []
     for k in range(manifest.num_stages):
         start, end = manifest.stage_span(k)
