@@ -207,7 +207,9 @@ def join(
                 "--quantize is for rollout peers (--role rollout or auto); a stage trains in full precision"
             )
         if sample_slowdown is not None:
-            raise ConfigError("--sample-slowdown is for --role auto; a stage peer's --slowdown is its own")
+            raise ConfigError(
+                "--sample-slowdown is for --role auto or rollout; a stage peer's compute is slowed by --slowdown"
+            )
         peer = StagePeer(_stage_config())
         if ready_file is not None:
             peer.on_serving = lambda: _write_atomic(ready_file, peer.node.peer_id)

@@ -135,6 +135,14 @@ CASES = {
         ("join", "--initial-peers", "{nobody}", "--quantize", "8bit"),
         ("--quantize is for rollout peers", "--role rollout"),
     ),
+    "role-unknown": Case(
+        ("join", "--initial-peers", "{nobody}", "--role", "sampler"),
+        ("--role must be 'stage', 'rollout' or 'auto', got 'sampler'",),
+    ),
+    "sample-slowdown-stage": Case(
+        ("join", "--initial-peers", "{nobody}", "--sample-slowdown", "4"),
+        ("--sample-slowdown is for --role auto", "--slowdown"),
+    ),
     "quantize-unknown": Case(
         ("join", "--initial-peers", "{nobody}", "--role", "rollout", "--quantize", "2bit"),
         ("--quantize takes 8bit or 4bit, got '2bit'",),

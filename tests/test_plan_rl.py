@@ -8,6 +8,8 @@ decode rate.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from swarmtrain.errors import ConfigError
@@ -25,6 +27,9 @@ from swarmtrain.plan import (
     split_rl,
 )
 from swarmtrain.plan.rl import rl_rates
+from swarmtrain.rl.roles import RoleChecker, choose_role
+from swarmtrain.wire.records import BatchConfig, PeerRecord, RLConfig, RunManifest
+from tests.conftest import TINY_GPT
 
 COSTS = [
     BlockCost(
@@ -165,3 +170,68 @@ def test_bad_figures_are_refused_with_the_name_of_the_field():
         rl_rates(layout({"a": 0}), ("z",), COSTS, STRONG, CONFIG, DEMAND)
     with pytest.raises(ConfigError, match="unique"):
         split_rl((0, 1), COSTS, [STRONG[0], STRONG[0]], CONFIG, DEMAND)
+
+
+# the planner fed from an RL run's manifest and peer records (swarmtrain.rl.roles)
+
+
+def rl_manifest() -> tuple[RunManifest, RunManifest]:
+    """A pre-training run and the same run as an RL run (GRPO on 2-digit addition)."""
+    plain = RunManifest(
+        run_id="rl",
+        model="tiny-gpt",
+        model_config=TINY_GPT,
+        num_blocks=TINY_GPT["n_layer"],
+        stage_bounds=(0, TINY_GPT["n_layer"]),
+        batch=BatchConfig(microbatch_size=8, microbatches_per_step=2, max_in_flight=2),
+    )
+    return plain, dataclasses.replace(plain, loss="grpo", rl=RLConfig(task="add"))
+
+
+def record(peer_id, role, *, decode=1e5, flops=1e9, memory=2**33, auto=True, state="serving", stage=None):
+    capacity = {"flops_per_s": flops, "memory_bytes": memory, "decode_tokens_per_s": decode}
+    if auto:
+        capacity["role_auto"] = True
+    return PeerRecord(
+        peer_id=peer_id,
+        role=role,
+        stage=(0 if role == "stage" else -1) if stage is None else stage,
+        state=state,
+        capacity=capacity,
+    )
+
+
+def test_choose_role_reads_the_run_from_its_records():
+    plain, rl = rl_manifest()
+    mine = {"flops_per_s": 1e9, "memory_bytes": 2**33, "decode_tokens_per_s": 1e5}
+    assert choose_role(plain, [], mine, peer_id="me") == "stage"  # pre-training: always a stage
+    assert choose_role(rl, [], mine, peer_id="me") == "stage"  # the stage has no replica
+    held = [record("s", "stage")]
+    assert choose_role(rl, held, mine, peer_id="me") == "rollout"  # nothing samples
+    # the stage's only replica is leaving, and this peer's own old record does not count
+    leaving = [record("s", "stage", state="draining"), record("me", "stage")]
+    assert choose_role(rl, leaving + [record("r", "rollout")], mine, peer_id="me") == "stage"
+    # a record whose capacity does not parse is left out, not trusted and not fatal
+    garbage = record("x", "rollout")
+    garbage.capacity["decode_tokens_per_s"] = "fast"
+    assert choose_role(rl, [*held, garbage], mine, peer_id="me") == "rollout"
+    small = {**mine, "memory_bytes": 1024}
+    assert choose_role(rl, [], small, peer_id="me") == "rollout"  # fits no stage
+    assert choose_role(rl, [], {**small, "decode_tokens_per_s": 0}, peer_id="me") == "trainer"
+
+
+def test_role_checker_moves_an_auto_rollout_peer_into_a_stage_nobody_holds():
+    _, rl = rl_manifest()
+    checker = RoleChecker(rl, patience=3)
+    orphaned = [
+        record("s", "stage", state="draining"),
+        record("me", "rollout"),
+        record("r", "rollout", auto=False),
+    ]
+    assert [checker.check("me", orphaned) for _ in range(3)] == [None, None, "stage"]
+    # a peer started as a rollout peer (no role_auto) is never moved: the auto one is
+    other = RoleChecker(rl, patience=1)
+    assert other.check("r", orphaned) is None
+    # while the stage is held and the auto peer samples for it, nothing moves
+    held = [record("s", "stage", auto=False), record("me", "rollout")]
+    assert [checker.check("me", held) for _ in range(4)] == [None] * 4
