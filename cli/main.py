@@ -195,6 +195,15 @@ def join(
     from swarmtrain.train.versions import VersionsConfig
     from swarmtrain.transport import TransportConfig
 
+    held: list[dict] = []
+
+    def trust() -> dict:
+        """The trust flags' node settings, once per process: an auto peer keeps one identity
+        (its default key, or --identity) in every role it takes."""
+        if not held:
+            held.append(trust_settings("stage", identity, swarm_key, run_owner))
+        return held[0]
+
     def main() -> None:
         if role not in ("stage", "rollout", "auto"):
             raise ConfigError(f"--role must be 'stage', 'rollout' or 'auto', got {role!r}")
@@ -235,7 +244,7 @@ def join(
                 host=host,
                 port=port,
                 announce_host=announce_host,
-                **trust_settings("stage", identity, swarm_key, run_owner),
+                **trust(),
             ),
             run_id=run_id,
             stage=stage,
@@ -269,7 +278,7 @@ def join(
                 host=host,
                 port=port,
                 announce_host=announce_host,
-                **trust_settings("stage", identity, swarm_key, run_owner),
+                **trust(),
             ),
             run_id=run_id,
             device=resolve_device(gpu),
@@ -299,6 +308,10 @@ def join(
         auto = AutoPeer(stage_config, rollout_config)
 
         def on_role(role, peer) -> None:
+            switched = len(auto.roles) > 1
+            typer.echo(
+                f"{'switching to' if switched else 'taking'} the {role} role the run's planner gives this machine"
+            )
             if ready_file is not None:  # the id once it serves, a line per role after that
                 peer.on_serving = lambda: _write_atomic(ready_file, peer.node.peer_id)
             else:

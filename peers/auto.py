@@ -8,7 +8,8 @@ the role `swarmtrain.rl.roles.choose_role` gives: a stage with no replica first,
 that raises the run's samples per second most. It then runs as that peer, announcing
 `role_auto` so the planner may move it; when a later check finds that the other role would
 raise samples/s by more than 10% at three checks in a row (and it holds no stage's last
-replica), it drains, leaves, and comes back in the other role under the same peer id.
+replica), it drains, leaves, and comes back in the other role under the same peer id (its
+`--identity`, or the default key this process holds).
 """
 
 from __future__ import annotations

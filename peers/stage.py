@@ -447,7 +447,7 @@ class StagePeer:
                     elif self._role_checker is not None and self.state == "serving":
                         role = self._role_checker.check(self.peer_id, records)
                         if role is not None:
-                            logger.warning(
+                            logger.info(
                                 "leaving stage %d to take the %s role the run's planner gives",
                                 self.stage,
                                 role,
