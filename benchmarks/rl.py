@@ -5,14 +5,16 @@
 One run, one JSON object. The same emulated machines serve three layouts of one GRPO run
 (2-digit addition, tiny-gpt of the RL demo, started from one supervised warm-up done here):
 
-- `planned`: the split the joint planner picks from the machines' measured rates: here, the
-  strong machines hold the stages and train, the weak ones sample (asynchronously, the
+- `planned`: the split the joint planner picks (`swarmtrain.plan.rl.split_rl`, what
+  `join --role auto` peers follow) from the machines' rates: this machine's probe (matmul
+  FLOP/s, decode tokens/s of the warm policy) divided by each machine's slowdowns. It gave the
+  stages to the strong machines and the rollouts to the weak ones (asynchronously, the
   trainer's feed keeping the next step's completions asked for, at most `--max-staleness`
   versions old);
 - `colocated`: every machine holds a stage replica *and* samples, in turns: a step's
   completions are sampled from the very version it trains, by all machines at once, then all
   machines train on them (`RolloutFeed(on_policy=True)`);
-- `inverse`: the strong machines sample, the weak ones train.
+- `inverse`: the planned split's two sides swapped: the strong machines sample, the weak ones train.
 
 A machine is emulated by the processes it would run, each with `--slowdown` (compute takes that
 many times longer; the sleep leaves the cores free) and `--max-memory` (checked by both roles).
@@ -88,13 +90,70 @@ def rollout_args(machine: Machine) -> tuple[str, ...]:
     return ("--slowdown", str(machine.sample_slowdown), "--max-memory", machine.memory)
 
 
-def layouts(strong: int, weak: int) -> dict[str, tuple[list[Machine], list[Machine], bool]]:
-    """Per layout: machines holding stages, machines sampling, on-policy turns or not."""
+def plan_roles(machines: list[Machine], policy) -> tuple[list[Machine], list[Machine], dict]:
+    """The joint planner's split of the emulated machines (`swarmtrain.plan.rl.split_rl`), as
+    `join --role auto` peers would reach it: each machine's capacity is this machine's probe
+    (matmul FLOP/s; decode tokens/s of the warm policy on the task) divided by its slowdowns.
+    Returns the machines it gives stages, those it gives rollouts, and what it predicted."""
+    from swarmtrain.peers.probe import parse_bytes, probe
+    from swarmtrain.plan import PeerCapacity, PlanConfig, split_rl
+    from swarmtrain.plan.rl import RLDemand
+    from swarmtrain.rl.generate import measure_decode
+    from swarmtrain.train.placement import planner_costs, sample_positions
+
+    flops = probe("cpu", seconds=1.0).matmul_flops_per_s
+    prompts = PROMPTS_PER_STEP // 2  # one request when two rollout peers share a step (as the peers probe)
+    decode = measure_decode(
+        policy, build_task(TASK, TASK_OPTIONS), samples_per_prompt=G, prompts=prompts, seconds=1.0
+    )
+    peers = [
+        PeerCapacity(
+            peer_id=f"{i}-{m.name}",
+            flops_per_s=flops / m.train_slowdown,
+            memory_bytes=parse_bytes(m.memory),
+            bandwidth_bytes_per_s=10e9,  # loopback
+            decode_tokens_per_s=decode / m.sample_slowdown,
+        )
+        for i, m in enumerate(machines)
+    ]
+    tokens = sample_positions("tiny-gpt", DEFAULT_MODEL)
+    split = split_rl(
+        (0, 1, 2),
+        planner_costs("tiny-gpt", DEFAULT_MODEL, microbatch_size=BATCH.microbatch_size),
+        peers,
+        PlanConfig(
+            tokens_in_flight=tokens * BATCH.microbatch_size * BATCH.max_in_flight,
+            tokens_per_step=tokens * BATCH.microbatch_size * BATCH.microbatches_per_step,
+        ),
+        RLDemand(
+            tokens_per_sample=tokens, decode_tokens_per_sample=build_task(TASK, TASK_OPTIONS).max_new_tokens
+        ),
+    )
+    by_id = {p.peer_id: machines[i] for i, p in enumerate(peers)}
+    # stage machines in stage order, so run_layout's i % 2 puts each on its planned stage
+    stages = [by_id[p] for p, _ in sorted(split.plan.assignments.items(), key=lambda kv: (kv[1], kv[0]))]
+    rollouts = [by_id[p] for p in split.rollouts]
+    predicted = {
+        "stages": {p: k for p, k in sorted(split.plan.assignments.items())},
+        "rollouts": list(split.rollouts),
+        "consumed_samples_per_s": round(split.consumed_samples_per_s, 1),
+        "produced_samples_per_s": round(split.produced_samples_per_s, 1),
+        "probe_flops_per_s": round(flops),
+        "probe_decode_tokens_per_s": round(decode),
+    }
+    return stages, rollouts, predicted
+
+
+def layouts(
+    strong: int, weak: int, planned: tuple[list[Machine], list[Machine]]
+) -> dict[str, tuple[list[Machine], list[Machine], bool]]:
+    """Per layout: machines holding stages, machines sampling, on-policy turns or not. `planned`
+    is the planner's split; the inverse swaps its two sides."""
     machines = [STRONG] * strong + [WEAK] * weak
     return {
-        "planned": ([STRONG] * strong, [WEAK] * weak, False),
+        "planned": (*planned, False),
         "colocated": (machines, machines, True),
-        "inverse": ([WEAK] * weak, [STRONG] * strong, False),
+        "inverse": (planned[1], planned[0], False),
     }
 
 
@@ -188,10 +247,20 @@ def main() -> None:
         "seconds_per_layout": args.seconds,
         "layouts": {},
     }
+    planned_stages, planned_rollouts, report["planner"] = plan_roles(
+        [STRONG] * args.strong + [WEAK] * args.weak, model
+    )
+    print(f"planner: {json.dumps(report['planner'])}", file=sys.stderr)
+    if len(planned_stages) < 2 or len(planned_rollouts) < 2:
+        raise SystemExit(
+            "the planner's split leaves fewer than 2 machines on one side: no inverse to compare"
+        )
     wanted = args.only.split(",")
     with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-rl-") as tmp:
         warm = save_model(model, Path(tmp) / "warm", builder="tiny-gpt", config=DEFAULT_MODEL)
-        for name, (stages, rollouts, on_policy) in layouts(args.strong, args.weak).items():
+        for name, (stages, rollouts, on_policy) in layouts(
+            args.strong, args.weak, (planned_stages, planned_rollouts)
+        ).items():
             if name not in wanted:
                 continue
             print(

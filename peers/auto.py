@@ -23,7 +23,7 @@ from swarmtrain.model import build_model
 from swarmtrain.peers.rollout import RolloutConfig, RolloutPeer
 from swarmtrain.peers.self_measure import capacity
 from swarmtrain.peers.stage import StageConfig, StagePeer
-from swarmtrain.rl.roles import AUTO_KEY, choose_role
+from swarmtrain.rl.roles import AUTO_KEY, choose_role, probe_prompts
 from swarmtrain.swarm import SwarmNode
 from swarmtrain.wire.records import RunManifest
 
@@ -49,6 +49,7 @@ def decode_capacity(manifest: RunManifest, config: RolloutConfig) -> float:
         model,
         task,
         samples_per_prompt=manifest.rl.samples_per_prompt,
+        prompts=probe_prompts(manifest),
         seconds=config.probe_s,
         temperature=grpo_config(manifest.loss).temperature,
     )

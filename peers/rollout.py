@@ -32,6 +32,7 @@ from swarmtrain.rl.generate import measure_decode
 from swarmtrain.rl.grpo import grpo_config
 from swarmtrain.rl.quantize import check_mode, parameter_bytes, quantize_model
 from swarmtrain.rl.registry import TaskSources, build_task
+from swarmtrain.rl.roles import probe_prompts
 from swarmtrain.rl.verify import lie_about_logprobs
 from swarmtrain.rl.weights import FetchConfig, fetch_version, latest_version, swarm_source
 from swarmtrain.rl.worker import RolloutWorker
@@ -140,6 +141,7 @@ class RolloutPeer:
                 models[0],
                 self.task,
                 samples_per_prompt=m.rl.samples_per_prompt,
+                prompts=probe_prompts(m),
                 seconds=config.probe_s,
                 temperature=grpo_config(m.loss).temperature,
             )

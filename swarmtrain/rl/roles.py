@@ -45,6 +45,17 @@ def rl_demand(manifest: RunManifest, tasks: TaskSources = TaskSources()) -> RLDe
     )
 
 
+def probe_prompts(manifest: RunManifest) -> int:
+    """Prompts a decode probe samples at once: one rollout request's worth when two rollout
+    peers share a step (`RolloutFeed` asks each for its share), at most 32. Decoding a small
+    policy costs per step more than per row, so the rate depends on the batch: probe the one
+    the run will ask for."""
+    per_step = manifest.rl.prompts_per_step(
+        manifest.batch.microbatch_size * manifest.batch.microbatches_per_step
+    )
+    return max(1, min(32, -(-per_step // 2)))
+
+
 def _capacity(record: PeerRecord) -> PeerCapacity | None:
     try:
         return peer_capacity(record.peer_id, record.capacity)
