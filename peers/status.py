@@ -269,7 +269,7 @@ def rl_trainers_table(status: dict) -> Table | None:
     return table
 
 
-def rl_section(status: dict, version: int | None) -> list:
+def rl_section(status: dict) -> list:
     """An RL run's part of the status: a headline (task, groups, staleness, the stages' policy
     version), its rollout peers and its trainers' RL steps."""
     rl = (status["manifest"] or {}).get("rl")
@@ -278,6 +278,7 @@ def rl_section(status: dict, version: int | None) -> list:
         if rl
         else "RL"
     )
+    version = status["rl"]["policy_version"]
     parts = [Text(what + ("" if version is None else f"; the stages serve policy version {version}"))]
     for table in (rollout_table(status), rl_trainers_table(status)):
         if table is not None:
@@ -310,8 +311,7 @@ def render_status(status: dict) -> Group:
     (and an RL run's section)."""
     now = status["updated_at"] or time.time()
     m = status["manifest"]
-    stage_steps = [r["step"] for r in status["peers"] if r["role"] == "stage"]
-    step = max(stage_steps, default=0)
+    step = max((r["step"] for r in status["peers"] if r["role"] == "stage"), default=0)
     if m is None:
         headline = Text(
             f"run {status['run_id']!r}: no manifest in the DHT (no coordinator has republished it lately); "
@@ -338,6 +338,6 @@ def render_status(status: dict) -> Group:
     parts.append(
         trainers_table(status, now) if status["trainers"] else Text("no trainer has reported a step")
     )
-    if status["is_rl"]:
-        parts += rl_section(status, max(stage_steps, default=None))
+    if status["rl"] is not None:
+        parts += rl_section(status)
     return Group(*parts)

@@ -371,7 +371,10 @@ def test_an_rl_run_shows_rollout_lag_and_reward_series_and_a_trainers_ban():
     view.add_trainer_point(point(4, 12.0, trainer=C, rl=rl_step(0.5, stale=3, rejected=8, banned=1)))
     snap = json.loads(json.dumps(view.snapshot(), allow_nan=False))
     SwarmSnapshot.model_validate(snap)
-    assert snap["is_rl"] and snap["manifest"]["rl"]["samples_per_prompt"] == 8
+    assert snap["manifest"]["rl"]["samples_per_prompt"] == 8
+    summary = {"policy_version": 4, "rollout_peers": 0, "step": 4, "reward": 0.5, "accuracy": 0.5}
+    summary |= {"policy_lag": 0.5, "samples_per_s": 20.0, "stale": 3, "rejected": 8, "banned": 1}
+    assert snap["rl"] == summary  # R is banned: no rollout peer serves
     rollout = next(r for r in snap["peers"] if r["peer_id"] == R)
     assert (rollout["policy_lag"], rollout["status"], rollout["served_per_s"]) == (1, "banned", 20.0)
     assert all(r["policy_lag"] is None for r in snap["peers"] if r["role"] != "rollout")
@@ -387,7 +390,7 @@ def test_a_plain_run_is_no_rl_run_and_an_rl_step_of_no_samples_is_a_gap():
     view.update([stage_peer(A, 0)], MANIFEST, now=1.0)
     view.add_trainer_point(point(0, 1.0))
     snap = view.snapshot()
-    assert not snap["is_rl"] and snap["trainers"][0]["rl"] is None
+    assert snap["rl"] is None and snap["trainers"][0]["rl"] is None
     assert snap["series"]["trainers"]["trainer"]["reward"] == [None]
     empty = RLPoint(samples=0, reward=math.nan, accuracy=math.nan, policy_lag=math.nan, samples_per_s=0.0)
     view.add_trainer_point(point(1, 2.0, rl=empty))
@@ -398,4 +401,21 @@ def test_a_plain_run_is_no_rl_run_and_an_rl_step_of_no_samples_is_a_gap():
     ]
     headless = SwarmView()  # no manifest: a rollout peer says it is an RL run
     headless.update([PeerRecord(peer_id=R, role="rollout")], None, now=1.0)
-    assert headless.snapshot()["is_rl"]
+    assert headless.snapshot()["rl"]["rollout_peers"] == 1
+
+
+def test_the_rl_summary_weighs_each_trainers_step_by_its_samples():
+    from swarmtrain.peers.dashboard.rl_view import rl_summary
+
+    latest = [
+        point(6, 1.0, trainer=A, rl=rl_step(0.25, samples=32, samples_per_s=10.0, stale=1, banned=2)),
+        point(
+            7, 2.0, trainer=B, rl=rl_step(0.75, samples=96, samples_per_s=30.0, rejected=4, policy_lag=1.0)
+        ),
+        point(7, 2.0, trainer=C),  # no RL figures: left out
+    ]
+    summary = rl_summary(latest, policy_version=8, rollouts=3)
+    assert (summary["reward"], summary["policy_lag"], summary["samples_per_s"]) == (0.625, 0.875, 40.0)
+    assert (summary["step"], summary["stale"], summary["rejected"], summary["banned"]) == (7, 1, 4, 2)
+    nothing = rl_summary([point(1, 1.0)], policy_version=None, rollouts=0)
+    assert nothing["reward"] is None and nothing["step"] is None and nothing["samples_per_s"] == 0

@@ -182,7 +182,7 @@ def test_status_of_an_rl_run_shows_its_rollout_peers_and_the_trainers_rl_step():
     status = read_status(FakeSwarm([RL_RUN], {"dash": PEERS + ROLLOUTS}, [point]), None, now=100.0)
     status = json.loads(json.dumps(status, allow_nan=False))
     rollouts = {r["peer_id"]: r for r in status["peers"] if r["role"] == "rollout"}
-    assert status["is_rl"] and status["manifest"]["rl"]["task"] == "add"
+    assert status["rl"]["rollout_peers"] == 1 and status["manifest"]["rl"]["task"] == "add"
     assert (rollouts[R1]["policy_lag"], rollouts[R2]["policy_lag"]) == (2, 0)  # the stages are at step 6
     assert rollouts[R2]["status"] == "banned" and rollouts[R1]["quantize"] == "8bit"
     assert status["trainers"][0]["rl"]["reward"] == 0.625
@@ -217,5 +217,5 @@ def test_status_of_an_rl_step_of_no_samples_says_n_a_and_a_plain_run_has_no_rl_s
     )
     assert row[2:5] == ["n/a", "n/a", "n/a"]
     plain = read_status(FakeSwarm([DASH], {"dash": PEERS}, [POINT]), None, now=100.0)
-    assert not plain["is_rl"] and plain["trainers"][0]["rl"] is None
+    assert plain["rl"] is None and plain["trainers"][0]["rl"] is None
     assert "RL" not in printed(plain) and "rollout peers" not in printed(plain)

@@ -122,6 +122,25 @@ class RLView(BaseModel):
     verify_failed: int = Field(description="Replies whose behaviour log-probs did not hold.")
 
 
+class RLSummary(BaseModel):
+    """An RL run at a glance: the newest RL step of each trainer, put together."""
+
+    policy_version: int | None = Field(
+        description="The newest policy version (step) a live stage peer holds."
+    )
+    rollout_peers: int = Field(description="Serving rollout peers that no peer bans.")
+    step: int | None = Field(description="The newest step a trainer reported RL figures of.")
+    reward: float | None = Field(
+        description="Mean reward over the completions the trainers' latest steps trained on."
+    )
+    accuracy: float | None = Field(description="The fraction of them fully right.")
+    policy_lag: float | None = Field(description="Their mean policy lag (steps).")
+    samples_per_s: float = Field(description="The trainers' samples/s, summed.")
+    stale: int = Field(description="Completions dropped as too stale, summed over the trainers' feeds.")
+    rejected: int = Field(description="Completions refused with their rollout peer, summed likewise.")
+    banned: int = Field(description="The most rollout peers any trainer banned.")
+
+
 class TrainerView(BaseModel):
     """A trainer's latest point (`TrainerPoint`); loss is null when it was not finite."""
 
@@ -198,8 +217,9 @@ class SwarmSnapshot(BaseModel):
     gone: list[PeerView] = Field(description="Peers that left recently, most recent first.")
     trainers: list[TrainerView] = Field(description="Latest point of each trainer, most recent first.")
     finished: bool = Field(description="The run applied its last step (the manifest's max_steps).")
-    is_rl: bool = Field(
-        description="An RL run: its manifest names a task (without a manifest: rollout peers or RL steps are seen)."
+    rl: RLSummary | None = Field(
+        description="An RL run at a glance; null when the run is no RL run (its manifest names no task; "
+        "without a manifest: no rollout peer or RL step is seen)."
     )
     series: SeriesView
     events: list[EventView] = Field(description="Event log, newest last.")

@@ -6,9 +6,10 @@ stage moves, bans, replays, completed steps) and into one point of each bounded 
 `add_trainer_point()` takes a trainer's `TrainerPoint` from `{run}.trainers`. No I/O and no
 clock of its own: the caller passes `now`, so tests drive it with plain data.
 
-An RL run (`is_rl` in the snapshot) shows more: each rollout peer's policy lag (versions
-behind the newest its stages serve) and sampling rate, and each trainer's rewards, accuracy,
-samples per second and its feed's stale and rejected completions (`TrainerPoint.rl`).
+An RL run (`rl` in the snapshot, null for others) shows more: each rollout peer's policy lag
+(versions behind the newest its stages serve) and sampling rate, each trainer's rewards,
+accuracy, samples per second and its feed's stale and rejected completions
+(`TrainerPoint.rl`), and the run's summary of them (`rl_view`).
 
 A peer's display state (`status` in the snapshot) is its own state (joining, serving,
 draining, finished), except `banned` while another live peer lists it in its `banned`, and `gone` for
@@ -21,13 +22,13 @@ The view is read from the web server's thread while the poller writes it; one lo
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from dataclasses import dataclass
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.wire.metrics import RLPoint, TrainerPoint
+from swarmtrain.peers.dashboard.rl_view import finite, rl_dict, rl_series, rl_summary
+from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
 EVENT_KINDS = ("join", "leave", "state", "move", "ban", "replay", "drop", "step")
@@ -100,30 +101,6 @@ def rate(new: int, old: int, dt_s: float) -> float:
 
 def _short(peer_id: str) -> str:
     return peer_id[-8:]
-
-
-def finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None  # JSON has no NaN; a diverged loss shows as a gap
-
-
-RL_SERIES = ("reward", "accuracy", "policy_lag", "samples_per_s", "stale", "rejected")
-"""What of a trainer's RL points its series keep (None at a point without RL figures)."""
-
-
-def _rl_dict(rl: RLPoint | None) -> dict | None:
-    """An RL point as JSON-ready primitives: NaN means (a step of no samples) become None."""
-    if rl is None:
-        return None
-    return {k: finite(v) if isinstance(v, float) else v for k, v in rl.to_dict().items()}
-
-
-def _rl_series(points) -> dict[str, list]:
-    out: dict[str, list] = {name: [] for name in RL_SERIES}
-    for p in points:
-        rl = _rl_dict(p.rl) or {}
-        for name in RL_SERIES:
-            out[name].append(rl.get(name))
-    return out
 
 
 def _describe(r: PeerRecord) -> str:
@@ -385,15 +362,18 @@ class SwarmView:
             "rl": None if m.rl is None else m.rl.to_dict(),
         }
 
-    def _is_rl(self) -> bool:
-        """Whether the run is an RL run: its manifest names a task, or (without a manifest) a
-        rollout peer or an RL step is seen."""
-        if self.manifest is not None:
-            return self.manifest.rl is not None
-        rollouts = any(
-            r.role == "rollout" for r in [*self.peers.values(), *(r for r, _ in self.gone.values())]
-        )
-        return rollouts or any(p.rl is not None for s in self.trainer_series.values() for p in s)
+    def _rl(self) -> dict | None:
+        """An RL run's summary (`rl_view.rl_summary`); None unless the run is an RL run: its
+        manifest names a task, or (without a manifest) a rollout peer or an RL step is seen."""
+        latest = [s[-1] for s in self.trainer_series.values() if s]
+        rollouts = [r for r in self.peers.values() if r.role == "rollout"]
+        if self.manifest is not None and self.manifest.rl is None:
+            return None
+        rollouts_gone = any(r.role == "rollout" for r, _ in self.gone.values())
+        if self.manifest is None and not (rollouts or rollouts_gone or any(p.rl for p in latest)):
+            return None
+        serving = sum(r.state == "serving" and r.peer_id not in self.banned_by for r in rollouts)
+        return rl_summary(latest, self._policy_version(), serving)
 
     def _finished(self) -> bool:
         """Whether the run applied its last step, as far as the polls seen tell: a stage peer
@@ -434,7 +414,7 @@ class SwarmView:
                     "replayed": [p.replayed for p in s],
                     "dropped": [p.dropped for p in s],
                     "window": [p.window for p in s],
-                    **_rl_series(s),
+                    **rl_series(s),
                 }
                 for name, s in self.trainer_series.items()
             },
@@ -443,7 +423,7 @@ class SwarmView:
     def _trainers(self) -> list[dict]:
         """The latest point of each trainer, most recent first."""
         latest = sorted((s[-1] for s in self.trainer_series.values() if s), key=lambda p: -p.t)
-        return [p.to_dict() | {"loss": finite(p.loss), "rl": _rl_dict(p.rl)} for p in latest]
+        return [p.to_dict() | {"loss": finite(p.loss), "rl": rl_dict(p.rl)} for p in latest]
 
     def snapshot(self, *, with_history: bool = True) -> dict:
         """Everything `/api/swarm` serves, as JSON-ready primitives; without `with_history`,
@@ -461,7 +441,7 @@ class SwarmView:
                 "gone": [self._peer_dict(r, left_at=t) for r, t in reversed(self.gone.values())],
                 "trainers": self._trainers(),
                 "finished": self._finished(),
-                "is_rl": self._is_rl(),
+                "rl": self._rl(),
             }
             if with_history:
                 out["series"] = self._series()
