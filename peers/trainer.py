@@ -348,7 +348,8 @@ class Trainer:
         point = None
         if rl is not None:
             point = rl.rl_point(result.step, result.seconds)
-            self.presence.banned = tuple(sorted(rl.banned))[:MAX_BANNED_LISTED]
+            banned = rl.banned.copy()  # in one piece: the feed bans on the event loop's thread
+            self.presence.banned = tuple(sorted(banned))[:MAX_BANNED_LISTED]
         self._publish_point(result.step, result.loss, result.tokens_per_s, result.window, rl=point)
 
     def _publish_point(

@@ -17,7 +17,7 @@ RL_SERIES = ("reward", "accuracy", "policy_lag", "samples_per_s", "stale", "reje
 
 
 def finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None  # JSON has no NaN; a missing mean shows as a gap
+    return x if math.isfinite(x) else None  # JSON has no NaN: a diverged loss or a missing mean is a gap
 
 
 def rl_dict(rl: RLPoint | None) -> dict | None:

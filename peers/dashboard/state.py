@@ -367,10 +367,12 @@ class SwarmView:
         manifest names a task, or (without a manifest) a rollout peer or an RL step is seen."""
         latest = [s[-1] for s in self.trainer_series.values() if s]
         rollouts = [r for r in self.peers.values() if r.role == "rollout"]
-        if self.manifest is not None and self.manifest.rl is None:
-            return None
-        rollouts_gone = any(r.role == "rollout" for r, _ in self.gone.values())
-        if self.manifest is None and not (rollouts or rollouts_gone or any(p.rl for p in latest)):
+        if self.manifest is not None:
+            is_rl = self.manifest.rl is not None
+        else:
+            gone = any(r.role == "rollout" for r, _ in self.gone.values())
+            is_rl = bool(rollouts) or gone or any(p.rl is not None for p in latest)
+        if not is_rl:
             return None
         serving = sum(r.state == "serving" and r.peer_id not in self.banned_by for r in rollouts)
         return rl_summary(latest, self._policy_version(), serving)
