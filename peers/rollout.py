@@ -4,9 +4,10 @@
 model twice on its device (the sampling copy and the one the next version loads into), takes
 the newest policy version every stage serves (`swarmtrain.rl.weights`), announces itself
 under `{run}.peers` (role 'rollout', its step the policy version it samples with, its
-sampling rate), and answers trainers' rollout requests (`swarmtrain.rl.worker`). In the
-background it follows the run: whenever the stages serve a newer version it fetches it
-(through the run's `weights_codec`) and swaps it in between requests.
+sampling rate, its quantization), and answers trainers' rollout requests
+(`swarmtrain.rl.worker`). In the background it follows the run: whenever the stages serve a
+newer version it fetches it (through the run's `weights_codec`) and swaps it in between
+requests.
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ class RolloutPeer:
             peer_id=self.node.peer_id,
             role="rollout",
             state=state,
-            device=device_label(self.config.device)
-            + ("" if self.config.quantize is None else f" ({self.config.quantize})"),
+            device=device_label(self.config.device),
+            quantize=self.config.quantize,
             version=swarmtrain.__version__,
             served=s.samples,
             step=max(self.worker.version, 0),

@@ -3,7 +3,10 @@
 No coordinator is needed: the reader joins the DHT as a client through any peer of the swarm
 (a stage peer's address works as well as the coordinator's), reads `{run}.manifest`,
 `{run}.peers` and `{run}.trainers` once and builds the picture the dashboard shows (a SwarmView
-fed one poll), printed as rich tables or as JSON.
+fed one poll), printed as rich tables or as JSON. An RL run gets a section of its own: its
+rollout peers (policy version, lag behind the stages, sampling rate, quantization, bans) and
+each trainer's last RL step (reward, accuracy, policy lag, samples/s, stale and rejected
+completions).
 """
 
 from __future__ import annotations
@@ -127,7 +130,8 @@ def _status_text(status: str) -> Text:
 
 def _device(r: dict) -> str:
     name = r["capacity"].get("device_name")
-    return f"cpu ({name})" if name and r["device"] == "cpu" else r["device"]
+    device = f"cpu ({name})" if name and r["device"] == "cpu" else r["device"]
+    return f"{device} ({r['quantize']})" if r.get("quantize") else device
 
 
 def _memory(r: dict) -> str:
@@ -203,23 +207,85 @@ def work_table(status: dict) -> Table:
 
 
 def rollout_table(status: dict) -> Table | None:
-    """What the rollout peers do (an RL run's): the policy version each samples with, the
-    completions it sent, its sampling rate, requests it refused and update bytes taken."""
+    """What the rollout peers do (an RL run's): their state (banned: a trainer banned them),
+    the policy version each samples with and its lag behind the stages', the completions it
+    sent, its sampling rate, its quantization, requests it refused and update bytes taken."""
     rows = [r for r in status["peers"] + status["gone"] if r["role"] == "rollout"]
     if not rows:
         return None
-    columns = ("peer", "version", "samples", "samples/s", "refused", "updates recv")
-    table = _table("rollout peers", columns, ("peer",))
+    columns = ("peer", "state", "quant", "version", "lag", "samples", "samples/s", "refused", "updates recv")
+    table = _table("rollout peers", columns, ("peer", "state", "quant"))
     for r in rows:
         table.add_row(
-            Text(r["peer_id"][-8:], style=STATUS_STYLES["gone"] if r["status"] == "gone" else ""),
+            r["peer_id"][-8:],
+            _status_text(r["status"]),
+            r["quantize"] or "",
             str(r["step"]),
+            "" if r["policy_lag"] is None else str(r["policy_lag"]),
             str(r["served"]),
             f"{1 / r['service_s']:.1f}" if r["service_s"] else "",
             str(r["failed"]),
             format_bytes(r["bytes_received"]),
         )
     return table
+
+
+def _mean(x: float | None, digits: int) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def rl_trainers_table(status: dict) -> Table | None:
+    """What each trainer's last RL step trained on, and what its feed counted so far."""
+    points = [p for p in status["trainers"] if p.get("rl")]
+    if not points:
+        return None
+    columns = (
+        "trainer",
+        "step",
+        "reward",
+        "accuracy",
+        "policy lag",
+        "samples/s",
+        "stale",
+        "rejected",
+        "lost",
+        "banned",
+    )
+    table = _table("RL steps (the last step each trainer reported)", columns, ("trainer",))
+    for p in points:
+        rl = p["rl"]
+        table.add_row(
+            p["trainer"][-8:],
+            str(p["step"]),
+            _mean(rl["reward"], 3),
+            _mean(rl["accuracy"], 3),
+            _mean(rl["policy_lag"], 2),
+            f"{rl['samples_per_s']:.1f}",
+            str(rl["stale"]),
+            str(rl["rejected"]),
+            str(rl["lost"]),
+            Text(str(rl["banned"]), style="red" if rl["banned"] else ""),
+        )
+    return table
+
+
+def rl_section(status: dict) -> list:
+    """An RL run's part of the status: a headline (task, groups, staleness, the stages' policy
+    version), its rollout peers and its trainers' RL steps."""
+    rl = (status["manifest"] or {}).get("rl")
+    what = (
+        f"RL: task {rl['task']}, {rl['samples_per_prompt']} samples a prompt, max staleness {rl['max_staleness']}"
+        if rl
+        else "RL"
+    )
+    version = status["rl"]["policy_version"]
+    parts = [Text(what + ("" if version is None else f"; the stages serve policy version {version}"))]
+    for table in (rollout_table(status), rl_trainers_table(status)):
+        if table is not None:
+            parts.append(table)
+    if len(parts) == 1:
+        parts.append(Text("no rollout peer announced, no RL step reported"))
+    return parts
 
 
 def trainers_table(status: dict, now: float) -> Table:
@@ -241,7 +307,8 @@ def trainers_table(status: dict, now: float) -> Table:
 
 
 def render_status(status: dict) -> Group:
-    """`read_status`'s result as rich renderables: a headline, then stages, peers and trainers."""
+    """`read_status`'s result as rich renderables: a headline, then stages, peers and trainers
+    (and an RL run's section)."""
     now = status["updated_at"] or time.time()
     m = status["manifest"]
     step = max((r["step"] for r in status["peers"] if r["role"] == "stage"), default=0)
@@ -266,11 +333,11 @@ def render_status(status: dict) -> Group:
         parts.append(peers_table(status, now))
         if any(r["role"] == "stage" for r in status["peers"] + status["gone"]):
             parts.append(work_table(status))
-        if (rollouts := rollout_table(status)) is not None:
-            parts.append(rollouts)
     else:
         parts.append(Text("no peers announced"))
     parts.append(
         trainers_table(status, now) if status["trainers"] else Text("no trainer has reported a step")
     )
+    if status["rl"] is not None:
+        parts += rl_section(status)
     return Group(*parts)

@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
 import torch
 from hivemind.utils import get_dht_time
@@ -53,7 +54,8 @@ from swarmtrain.train.team import Team
 from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.frames import Frame
 from swarmtrain.wire.messages import Rollback
-from swarmtrain.wire.records import RunManifest
+from swarmtrain.wire.metrics import RLPoint, TrainerPoint
+from swarmtrain.wire.records import MAX_BANNED_LISTED, RunManifest
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ REFRESH_S = 1.0
 """How old the trainer's view of the serving replicas may get before it reads the DHT again."""
 
 __all__ = [
+    "RLSource",
     "RunFinishedError",
     "StepFailedError",
     "StepResult",
@@ -70,6 +73,20 @@ __all__ = [
     "TrainerConfig",
     "check_authorized",
 ]
+
+
+@runtime_checkable
+class RLSource(Protocol):
+    """Microbatches of an RL run (`swarmtrain.rl.feed.RolloutFeed`): a trainer fed by one
+    publishes what each step trained on with the step's point, and lists the rollout peers it
+    banned in its peer record."""
+
+    banned: dict[str, str]
+    """Rollout peers banned from the run, with why."""
+
+    def rl_point(self, step: int, seconds: float) -> RLPoint:
+        """What step `step`, which took `seconds`, trained on, and the counts so far."""
+        ...
 
 
 class Trainer:
@@ -325,15 +342,26 @@ class Trainer:
 
         return self._run(fetch())
 
-    def _publish(self, result: StepResult) -> None:
-        """Announce the step's loss and speed under `{run}.trainers` (fire and forget)."""
-        self._publish_point(result.step, result.loss, result.tokens_per_s, result.window)
+    def _publish(self, result: StepResult, rl: RLSource | None) -> None:
+        """Announce the step's loss and speed under `{run}.trainers` (fire and forget); with an
+        RL run's data source, what the step trained on too, and the rollout peers it banned."""
+        point = None
+        if rl is not None:
+            point = rl.rl_point(result.step, result.seconds)
+            banned = rl.banned.copy()  # in one piece: the feed bans on the event loop's thread
+            self.presence.banned = tuple(sorted(banned))[:MAX_BANNED_LISTED]
+        self._publish_point(result.step, result.loss, result.tokens_per_s, result.window, rl=point)
 
     def _publish_point(
-        self, step: int, loss: float, tokens_per_s: float, window: int, *, rolled_back: str = ""
+        self,
+        step: int,
+        loss: float,
+        tokens_per_s: float,
+        window: int,
+        *,
+        rolled_back: str = "",
+        rl: RLPoint | None = None,
     ) -> None:
-        from swarmtrain.wire.metrics import TrainerPoint
-
         point = TrainerPoint(
             trainer=self.node.peer_id,
             step=step,
@@ -345,6 +373,7 @@ class Trainer:
             dropped=self.totals["dropped"],
             window=window,
             rolled_back=rolled_back,
+            rl=rl,
         )
         self._published = self.node.publish_trainer_point(self.manifest.run_id, point, ttl_s=60)
 
@@ -398,7 +427,8 @@ class Trainer:
         order from its first microbatch (the shard's items only, from the run's step on: a
         trainer that restarts, or that the run went on without, never feeds data twice).
         A run with a step count (max_steps) stops at its last step, fewer than `steps` if
-        that comes first (then `finished` is True, and the log says so).
+        that comes first (then `finished` is True, and the log says so). With an `RLSource`
+        as `batches`, each step's published point carries what the step trained on.
         Raises StepFailedError when a step cannot complete, RunFinishedError when the run
         has no step left.
         """
@@ -411,6 +441,7 @@ class Trainer:
             feed = ShardFeed.from_run_order(batches, shard, m)
         else:
             feed = ShardFeed(batches, share=shard.share(m), first_step=self.step)
+        rl = batches if isinstance(batches, RLSource) else None
         self.team.step, self.team.feeding = self.step, True
         self._run(self._join_team())
         try:
@@ -426,7 +457,7 @@ class Trainer:
                     completed=result.completed, replayed=result.replays, dropped=result.dropped
                 )
                 self.window.on_step(result.tokens_per_s, timeouts=result.timeouts)
-                self._publish(result)
+                self._publish(result, rl)
                 if self.finished:
                     logger.info(last_step_message(self.manifest.run_id, self.manifest.max_steps))
                 yield result

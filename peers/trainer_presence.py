@@ -1,10 +1,10 @@
 """A trainer's presence in its run: its record under `{run}.peers`, and the others'.
 
-While it trains, a trainer announces a peer record (role 'trainer', its step) every
-`heartbeat_s`, living `ttl_s`: 'joining' while it waits for the run's other trainers, 'serving'
-while it feeds, 'draining' once it stops. The other trainers that announce 'joining' or
-'serving' are the members of the run's team (`swarmtrain.train.team`): candidates to commit a step, and trainers
-a committer waits for. A record outlives a killed trainer by up to `ttl_s`; the team finds
+While it trains, a trainer announces a peer record (role 'trainer', its step, the rollout
+peers it banned from an RL run) every `heartbeat_s`, living `ttl_s`: 'joining' while it waits
+for the run's other trainers, 'serving' while it feeds, 'draining' once it stops. The other
+trainers that announce 'joining' or 'serving' are the members of the run's team
+(`swarmtrain.train.team`): candidates to commit a step, and trainers a committer waits for. A record outlives a killed trainer by up to `ttl_s`; the team finds
 such a trainer gone by calling it.
 """
 
@@ -43,6 +43,9 @@ class TrainerPresence:
         self.config = config or PresenceConfig()
         self.state = "joining"
         self.step = 0
+        self.banned: tuple[str, ...] = ()
+        """Peers the record lists as banned (at most MAX_BANNED_LISTED): an RL run's rollout
+        peers the trainer's feed banned."""
         self._since = get_dht_time()
         self._beat: asyncio.Task | None = None
         self._members: list[str] = []
@@ -56,6 +59,7 @@ class TrainerPresence:
             version=swarmtrain.__version__,
             step=self.step,
             since=self._since,
+            banned=self.banned,
         )
 
     async def announce(self, state: str | None = None, step: int | None = None) -> None:

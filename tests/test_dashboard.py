@@ -14,8 +14,9 @@ import pytest
 from swarmtrain.errors import SwarmError
 from swarmtrain.peers.dashboard.server import DashboardConfig, DashboardThread
 from swarmtrain.peers.dashboard.state import SwarmView, ViewConfig
-from swarmtrain.wire.metrics import TrainerPoint
+from swarmtrain.wire.metrics import RLPoint, TrainerPoint
 from swarmtrain.wire.records import CompressionConfig, PeerRecord, RunManifest
+from swarmtrain.wire.rl_config import RLConfig
 
 MANIFEST = RunManifest(run_id="dash", model="tiny-gpt", num_blocks=4, stage_bounds=(0, 2, 4))
 A = "12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA1"
@@ -342,3 +343,79 @@ def test_openapi_documents_the_json_api_and_metrics():
 def test_a_taken_port_is_a_clear_error():
     with DashboardThread(FakeNode([]), "dash") as dash, pytest.raises(SwarmError, match="--dashboard-port"):
         DashboardThread(FakeNode([]), "dash", DashboardConfig(port=dash.port))
+
+
+R = "12D3KooWRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRR1"
+RL_RUN = dataclasses.replace(MANIFEST, loss="grpo", rl=RLConfig(task="add", samples_per_prompt=8))
+
+
+def rl_step(reward: float, **kw) -> RLPoint:
+    kw = {"samples": 32, "accuracy": reward, "policy_lag": 0.5, "samples_per_s": 20.0} | kw
+    return RLPoint(reward=reward, **kw)
+
+
+def test_an_rl_run_shows_rollout_lag_and_reward_series_and_a_trainers_ban():
+    from swarmtrain.peers.dashboard.api import SwarmSnapshot
+
+    stages = [stage_peer(A, 0, step=4), stage_peer(B, 1, step=4)]
+    view = SwarmView()
+    view.update(
+        [*stages, PeerRecord(peer_id=R, role="rollout", step=3, served=100, quantize="8bit")], RL_RUN, 10.0
+    )
+    trainer = PeerRecord(peer_id=C, role="trainer", step=4, banned=(R,))  # its feed banned R
+    events = view.update(
+        [*stages, PeerRecord(peer_id=R, role="rollout", step=3, served=140), trainer], RL_RUN, 12.0
+    )
+    assert ("ban", R) in kinds(events)
+    view.add_trainer_point(point(3, 11.0, trainer=C, rl=rl_step(0.25)))
+    view.add_trainer_point(point(4, 12.0, trainer=C, rl=rl_step(0.5, stale=3, rejected=8, banned=1)))
+    snap = json.loads(json.dumps(view.snapshot(), allow_nan=False))
+    SwarmSnapshot.model_validate(snap)
+    assert snap["manifest"]["rl"]["samples_per_prompt"] == 8
+    summary = {"policy_version": 4, "rollout_peers": 0, "step": 4, "reward": 0.5, "accuracy": 0.5}
+    summary |= {"policy_lag": 0.5, "samples_per_s": 20.0, "stale": 3, "rejected": 8, "banned": 1}
+    assert snap["rl"] == summary  # R is banned: no rollout peer serves
+    rollout = next(r for r in snap["peers"] if r["peer_id"] == R)
+    assert (rollout["policy_lag"], rollout["status"], rollout["served_per_s"]) == (1, "banned", 20.0)
+    assert all(r["policy_lag"] is None for r in snap["peers"] if r["role"] != "rollout")
+    series = snap["series"]["trainers"][C]
+    assert (series["reward"], series["stale"], series["rejected"]) == ([0.25, 0.5], [0, 3], [0, 8])
+    assert snap["series"]["peers"][R]["role"] == "rollout" and snap["series"]["peers"][A]["role"] == "stage"
+    assert snap["series"]["bytes_sent_per_s"] == [0.0, 0.0]  # a rollout peer's samples are no wire traffic
+    assert snap["trainers"][0]["rl"]["banned"] == 1
+
+
+def test_a_plain_run_is_no_rl_run_and_an_rl_step_of_no_samples_is_a_gap():
+    view = SwarmView()
+    view.update([stage_peer(A, 0)], MANIFEST, now=1.0)
+    view.add_trainer_point(point(0, 1.0))
+    snap = view.snapshot()
+    assert snap["rl"] is None and snap["trainers"][0]["rl"] is None
+    assert snap["series"]["trainers"]["trainer"]["reward"] == [None]
+    empty = RLPoint(samples=0, reward=math.nan, accuracy=math.nan, policy_lag=math.nan, samples_per_s=0.0)
+    view.add_trainer_point(point(1, 2.0, rl=empty))
+    snap = json.loads(json.dumps(view.snapshot(), allow_nan=False))  # NaN means travel as null
+    assert snap["trainers"][0]["rl"]["reward"] is None and snap["series"]["trainers"]["trainer"]["stale"] == [
+        None,
+        0,
+    ]
+    headless = SwarmView()  # no manifest: a rollout peer says it is an RL run
+    headless.update([PeerRecord(peer_id=R, role="rollout")], None, now=1.0)
+    assert headless.snapshot()["rl"]["rollout_peers"] == 1
+
+
+def test_the_rl_summary_weighs_each_trainers_step_by_its_samples():
+    from swarmtrain.peers.dashboard.rl_view import rl_summary
+
+    latest = [
+        point(6, 1.0, trainer=A, rl=rl_step(0.25, samples=32, samples_per_s=10.0, stale=1, banned=2)),
+        point(
+            7, 2.0, trainer=B, rl=rl_step(0.75, samples=96, samples_per_s=30.0, rejected=4, policy_lag=1.0)
+        ),
+        point(7, 2.0, trainer=C),  # no RL figures: left out
+    ]
+    summary = rl_summary(latest, policy_version=8, rollouts=3)
+    assert (summary["reward"], summary["policy_lag"], summary["samples_per_s"]) == (0.625, 0.875, 40.0)
+    assert (summary["step"], summary["stale"], summary["rejected"], summary["banned"]) == (7, 1, 4, 2)
+    nothing = rl_summary([point(1, 1.0)], policy_version=None, rollouts=0)
+    assert nothing["reward"] is None and nothing["step"] is None and nothing["samples_per_s"] == 0

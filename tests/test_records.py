@@ -1,4 +1,5 @@
-"""The DHT records: run manifest, optimizer, batch and compression settings, peer records."""
+"""The DHT records: run manifest, optimizer, batch and compression settings, peer records,
+trainer points."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.wire.metrics import RLPoint, TrainerPoint
 from swarmtrain.wire.records import (
     CODEC_CHOICES,
     WIRE_VERSION,
@@ -209,6 +211,63 @@ def test_peer_record_readiness_and_counters():
     ]:
         with pytest.raises(ConfigError, match=f"peer record: {match}"):
             PeerRecord(peer_id="QmPeer", role="stage", stage=0, **kwargs)
+
+
+def test_a_rollout_peer_record_names_its_quantization():
+    rec = PeerRecord(peer_id="QmR", role="rollout", quantize="4bit")
+    assert PeerRecord.from_dict(msgpack.unpackb(msgpack.packb(rec.to_dict()), raw=False)) == rec
+    assert PeerRecord(peer_id="QmR", role="rollout").quantize is None
+    with pytest.raises(
+        ConfigError, match=r"peer record: quantize must be null or one of \['8bit', '4bit'\], got '3bit'"
+    ):
+        PeerRecord(peer_id="QmR", role="rollout", quantize="3bit")
+
+
+def rl_step(**overrides) -> RLPoint:
+    fields = dict(
+        samples=32, reward=0.5, accuracy=0.25, policy_lag=1.5, samples_per_s=40.0, stale=2, banned=1
+    )
+    return RLPoint(**(fields | overrides))
+
+
+def test_a_trainer_point_carries_an_rl_step_through_msgpack():
+    point = TrainerPoint(trainer="T", step=3, loss=0.1, tokens_per_s=900.0, t=5.0, rl=rl_step())
+    back = TrainerPoint.from_dict(msgpack.unpackb(msgpack.packb(point.to_dict()), raw=False))
+    assert back == point and isinstance(back.rl, RLPoint) and back.rl.stale == 2
+    plain = TrainerPoint(trainer="T", step=3, loss=0.1, tokens_per_s=900.0, t=5.0)
+    assert TrainerPoint.from_dict(plain.to_dict()).rl is None  # not an RL run
+    empty = rl_step(samples=0, reward=math.nan, accuracy=math.nan, policy_lag=math.nan, samples_per_s=0)
+    back = TrainerPoint.from_dict(
+        msgpack.unpackb(msgpack.packb(plain.to_dict() | {"rl": empty.to_dict()}), raw=False)
+    )
+    assert back.rl.samples == 0 and math.isnan(back.rl.reward)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"reward": math.nan}, "rl.reward must be finite for a step of 32 samples, got nan"),
+        ({"samples": 0}, "rl.reward must be NaN for a step of no samples, got 0.5"),
+        ({"accuracy": 1.5}, r"rl.accuracy must be in \[0, 1\], got 1.5"),
+        ({"samples_per_s": -1.0}, "rl.samples_per_s must be finite and >= 0, got -1.0"),
+        ({"policy_lag": "1"}, "rl.policy_lag must be a number, got '1'"),
+        ({"stale": -1}, "rl.stale must be an integer >= 0, got -1"),
+        ({"banned": True}, "rl.banned must be an integer >= 0, got True"),
+    ],
+)
+def test_a_bad_rl_step_says_which_figure_is_wrong(overrides, match):
+    with pytest.raises(ConfigError, match=f"trainer point: {match}"):
+        rl_step(**overrides)
+
+
+def test_a_trainer_point_from_the_wire_rejects_a_malformed_rl_step():
+    data = TrainerPoint(trainer="T", step=3, loss=0.1, tokens_per_s=9.0, t=5.0, rl=rl_step()).to_dict()
+    with pytest.raises(ConfigError, match=r"trainer point: rl: unknown fields \['bogus'\]"):
+        TrainerPoint.from_dict(data | {"rl": data["rl"] | {"bogus": 1}})
+    with pytest.raises(ConfigError, match="trainer point: rl must be a mapping or null, got list"):
+        TrainerPoint.from_dict(data | {"rl": [1, 2]})
+    with pytest.raises(ConfigError, match="trainer point: rl: .*samples"):
+        TrainerPoint.from_dict(data | {"rl": {"reward": 1.0}})
 
 
 def test_manifest_schedule():

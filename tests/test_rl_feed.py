@@ -26,6 +26,7 @@ import torch
 import swarmtrain.rl.feed as feed_module
 from swarmtrain.errors import Cause, RemoteError
 from swarmtrain.rl.feed import RolloutFeed
+from swarmtrain.rl.feed_counts import StepStats
 from swarmtrain.rl.grpo import token_logprobs
 from swarmtrain.rl.registry import build_task
 from swarmtrain.rl.verify import lie_about_logprobs
@@ -271,6 +272,24 @@ def test_microbatches_are_grpo_inputs_of_checked_completions(swarm_of):
     report = feed.report(0)
     assert report["samples"] >= 4 * B and report["banned"] == 0 and report["policy_lag"] == 0
     assert feed.counts.stale == feed.counts.lost == feed.counts.rejected == feed.counts.refused == 0
+    point = feed.rl_point(0, seconds=2.0)  # what the trainer publishes of step 0
+    assert (point.samples, point.reward, point.accuracy, point.policy_lag) == (4 * B, 0.0, 0.0, 0.0)
+    assert point.samples_per_s == 2 * B and (point.stale, point.rejected, point.banned) == (0, 0, 0)
+    assert feed.report(0)["accuracy"] == 0.0
+    nothing = feed.rl_point(5, seconds=1.0)  # a step the feed fed nothing into
+    assert nothing.samples == 0 and math.isnan(nothing.reward) and nothing.samples_per_s == 0
+
+
+def test_step_stats_count_the_right_answers_and_the_policy_lag():
+    stats = StepStats()
+    for reward, version in [(1.0, 3), (0.0, 3), (1.0, 1), (0.0, 2)]:
+        stats.samples += 1
+        stats.reward_sum += reward
+        stats.correct += TASK.is_correct(reward)
+        stats.versions.append(version)
+    assert (stats.reward, stats.accuracy, stats.policy_lag(3)) == (0.5, 0.5, 0.75)
+    assert TASK.is_correct(1.0) and not TASK.is_correct(0.0)
+    assert math.isnan(StepStats().accuracy) and math.isnan(StepStats().policy_lag(3))
 
 
 def test_a_peer_lying_about_rewards_is_banned_and_none_of_its_completions_train(swarm_of):
@@ -291,6 +310,8 @@ def test_a_peer_lying_about_rewards_is_banned_and_none_of_its_completions_train(
     # its whole reply went, and it was not asked again once banned
     [asked] = swarm.asked["rollout-c"]
     assert feed.counts.rejected == len(asked.prompts) * G
+    point = feed.rl_point(0, seconds=1.0)
+    assert (point.banned, point.rejected) == (1, len(asked.prompts) * G)
     for _, named in microbatches:
         assert "ZZZZ" not in completions_of(named)
 

@@ -15,7 +15,8 @@ from swarmtrain.peers.export import save_model
 from swarmtrain.rl.feed import RolloutFeed
 from swarmtrain.rl.local import LocalConfig, warmup
 from swarmtrain.rl.registry import build_task
-from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from swarmtrain.wire.metrics import TrainerPoint
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig, PeerRecord
 from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
@@ -68,13 +69,29 @@ def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_liars(local_swa
         results += trainer.train(feed, steps=3)
         reports = [feed.report(r.step) for r in results]
 
+        def published() -> TrainerPoint | None:  # the trainer's point of its last step, from the DHT
+            points = map(TrainerPoint.from_dict, trainer.node.trainer_points("demo"))
+            return next((p for p in points if p.trainer == trainer.node.peer_id and p.step == 6), None)
+
+        def trainer_record() -> PeerRecord:
+            return next(r for r in trainer.node.peers("demo") if r.peer_id == trainer.node.peer_id)
+
+        wait_until(lambda: published() is not None, timeout_s=30, what="the point of step 6 in the DHT")
+        wait_until(
+            lambda: trainer_record().banned, timeout_s=30, what="the trainer's record to list its bans"
+        )
+        rl = published().rl  # what the dashboard and `swarmtrain status` show of the step
+        assert rl.samples == 64 and math.isfinite(rl.reward) and rl.accuracy == rl.reward  # binary rewards
+        assert rl.samples_per_s > 0 and rl.banned == 2 and rl.rejected >= G
+        assert set(trainer_record().banned) == {ids[liar], ids[logprob_liar]}
+
         def survivor():
             return next((r for r in trainer.node.peers("demo") if r.peer_id == ids[honest[1]]), None)
 
         # the surviving honest peer follows the run's policy versions as the stages apply steps
         wait_until(lambda: survivor().step == 7, timeout_s=30, what="the rollout peer to take version 7")
         assert survivor().served > 0
-        assert survivor().device.endswith("(8bit)")
+        assert survivor().quantize == "8bit"
 
     assert [r.step for r in results] == list(range(7))
     assert all(math.isfinite(r.loss) for r in results)

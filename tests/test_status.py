@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 from rich.console import Console
@@ -12,8 +13,9 @@ from rich.console import Console
 from swarmtrain.errors import ConfigError, RunNotFoundError
 from swarmtrain.peers.status import StatusConfig, format_bytes, read_status, render_status
 from swarmtrain.swarm import NodeConfig, SwarmNode
-from swarmtrain.wire.metrics import TrainerPoint
+from swarmtrain.wire.metrics import RLPoint, TrainerPoint
 from swarmtrain.wire.records import CompressionConfig, PeerRecord, RunManifest
+from swarmtrain.wire.rl_config import RLConfig
 
 A = "12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA1"
 B = "12D3KooWBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB2"
@@ -151,3 +153,69 @@ def test_status_shows_a_lost_stage_and_the_checkpoints_peers_hold():
     lines = printed(status).splitlines()
     assert any(A[-8:] in line and " 300 " in line for line in lines)  # the newest checkpoint it holds
     assert any(B[-8:] in line and " lost " in line for line in lines)
+
+
+R1 = "12D3KooWRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRR1"
+R2 = "12D3KooWRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRR2"
+RL_RUN = dataclasses.replace(
+    DASH, loss="grpo", rl=RLConfig(task="add", samples_per_prompt=8, max_staleness=2)
+)
+ROLLOUTS = [
+    PeerRecord(peer_id=R1, role="rollout", step=4, served=320, service_s=0.025, quantize="8bit", failed=2),
+    PeerRecord(peer_id=R2, role="rollout", step=6, served=48, service_s=0.05),
+    PeerRecord(peer_id=T, role="trainer", step=6, banned=(R2,)),  # its feed banned R2
+]
+RL_STEP = RLPoint(
+    samples=32,
+    reward=0.625,
+    accuracy=0.5,
+    policy_lag=1.25,
+    samples_per_s=41.5,
+    stale=3,
+    rejected=16,
+    banned=1,
+)
+
+
+def test_status_of_an_rl_run_shows_its_rollout_peers_and_the_trainers_rl_step():
+    point = dataclasses.replace(POINT, rl=RL_STEP)
+    status = read_status(FakeSwarm([RL_RUN], {"dash": PEERS + ROLLOUTS}, [point]), None, now=100.0)
+    status = json.loads(json.dumps(status, allow_nan=False))
+    rollouts = {r["peer_id"]: r for r in status["peers"] if r["role"] == "rollout"}
+    assert status["rl"]["rollout_peers"] == 1 and status["manifest"]["rl"]["task"] == "add"
+    assert (rollouts[R1]["policy_lag"], rollouts[R2]["policy_lag"]) == (2, 0)  # the stages are at step 6
+    assert rollouts[R2]["status"] == "banned" and rollouts[R1]["quantize"] == "8bit"
+    assert status["trainers"][0]["rl"]["reward"] == 0.625
+    lines = [line.strip() for line in printed(status).splitlines()]
+    assert "RL: task add, 8 samples a prompt, max staleness 2; the stages serve policy version 6" in lines
+
+    def last_row(peer: str) -> list[str]:  # the RL section comes last; the peers table names them too
+        return [line.split() for line in lines if line.startswith(peer[-8:])][-1]
+
+    row = last_row(R1)
+    assert row == [R1[-8:], "serving", "8bit", "4", "2", "320", "40.0", "2", "0"]
+    assert last_row(R2)[:5] == [
+        R2[-8:],
+        "banned",
+        "6",
+        "0",
+        "48",
+    ]
+    row = last_row(T)
+    assert row == [T[-8:], "5", "0.625", "0.500", "1.25", "41.5", "3", "16", "0", "1"]
+
+
+def test_status_of_an_rl_step_of_no_samples_says_n_a_and_a_plain_run_has_no_rl_section():
+    empty = RLPoint(samples=0, reward=math.nan, accuracy=math.nan, policy_lag=math.nan, samples_per_s=0.0)
+    point = dataclasses.replace(POINT, rl=empty)
+    status = read_status(FakeSwarm([RL_RUN], {"dash": PEERS}, [point]), None, now=100.0)
+    assert status["trainers"][0]["rl"]["reward"] is None
+    row = next(
+        line.split()
+        for line in map(str.strip, printed(status).splitlines())
+        if line.startswith(T[-8:]) and "n/a" in line
+    )
+    assert row[2:5] == ["n/a", "n/a", "n/a"]
+    plain = read_status(FakeSwarm([DASH], {"dash": PEERS}, [POINT]), None, now=100.0)
+    assert plain["rl"] is None and plain["trainers"][0]["rl"] is None
+    assert "RL" not in printed(plain) and "rollout peers" not in printed(plain)

@@ -33,6 +33,9 @@ class ManifestSummary(BaseModel):
         "(activations, gradients) or per stage (averaging); and error_feedback."
     )
     compressed: bool = Field(description="Whether any direction compresses anywhere.")
+    rl: dict | None = Field(
+        description="An RL run's task and sampling (task, samples_per_prompt, max_staleness, ...); null: not an RL run."
+    )
 
 
 class PeerView(BaseModel):
@@ -73,6 +76,12 @@ class PeerView(BaseModel):
     bytes_received: int
     raw_bytes_sent: int
     checkpoints: list[int] = Field(description="Steps of the checkpoints of its stage the peer holds.")
+    quantize: str | None = Field(
+        description="Rollout peers: '8bit' or '4bit' when their policy copies are quantized; null: full precision."
+    )
+    policy_lag: int | None = Field(
+        description="Rollout peers: policy versions behind the newest a live stage peer holds; null for other roles."
+    )
     compression: float | None = Field(description="raw_bytes_sent / bytes_sent; null before any bytes.")
     served_per_s: float
     bytes_sent_per_s: float
@@ -93,6 +102,45 @@ class StageView(BaseModel):
     replicas: list[PeerView] = Field(description="Live replicas (earliest first), then recently gone ones.")
 
 
+class RLView(BaseModel):
+    """An RL run's step as its trainer saw it (`RLPoint`); the means are null for a step of no samples."""
+
+    samples: int = Field(description="Completions the trainer fed into the step.")
+    reward: float | None = Field(description="Their mean reward.")
+    accuracy: float | None = Field(description="The fraction fully right.")
+    policy_lag: float | None = Field(
+        description="Their mean policy lag: the step minus the sampling version."
+    )
+    samples_per_s: float = Field(description="Completions fed into the step per second of it.")
+    stale: int = Field(description="Completions dropped as too stale, since the trainer's feed started.")
+    rejected: int = Field(description="Completions refused with their rollout peer, since then.")
+    lost: int = Field(description="Completions asked of a rollout peer that failed before answering.")
+    banned: int = Field(description="Rollout peers banned from the run.")
+    verified: int = Field(
+        description="Replies whose behaviour log-probs the pipeline checked and found to hold."
+    )
+    verify_failed: int = Field(description="Replies whose behaviour log-probs did not hold.")
+
+
+class RLSummary(BaseModel):
+    """An RL run at a glance: the newest RL step of each trainer, put together."""
+
+    policy_version: int | None = Field(
+        description="The newest policy version (step) a live stage peer holds."
+    )
+    rollout_peers: int = Field(description="Serving rollout peers that no peer bans.")
+    step: int | None = Field(description="The newest step a trainer reported RL figures of.")
+    reward: float | None = Field(
+        description="Mean reward over the completions the trainers' latest steps trained on."
+    )
+    accuracy: float | None = Field(description="The fraction of them fully right.")
+    policy_lag: float | None = Field(description="Their mean policy lag (steps).")
+    samples_per_s: float = Field(description="The trainers' samples/s, summed.")
+    stale: int = Field(description="Completions dropped as too stale, summed over the trainers' feeds.")
+    rejected: int = Field(description="Completions refused with their rollout peer, summed likewise.")
+    banned: int = Field(description="The most rollout peers any trainer banned.")
+
+
 class TrainerView(BaseModel):
     """A trainer's latest point (`TrainerPoint`); loss is null when it was not finite."""
 
@@ -105,6 +153,10 @@ class TrainerView(BaseModel):
     replayed: int
     dropped: int
     window: int
+    rolled_back: str
+    rl: RLView | None = Field(
+        description="An RL run's step: rewards, policy lag, feed counts; null otherwise."
+    )
 
 
 class EventView(BaseModel):
@@ -116,6 +168,9 @@ class EventView(BaseModel):
 
 class PeerSeries(BaseModel):
     t: list[float]
+    role: str = Field(
+        description="'stage' (served: microbatches) or 'rollout' (served: completions sampled)."
+    )
     served: list[int]
     served_per_s: list[float]
     bytes_sent_per_s: list[float]
@@ -131,6 +186,12 @@ class TrainerSeries(BaseModel):
     replayed: list[int]
     dropped: list[int]
     window: list[int]
+    reward: list[float | None] = Field(description="RL runs; null at a point without RL figures.")
+    accuracy: list[float | None]
+    policy_lag: list[float | None]
+    samples_per_s: list[float | None]
+    stale: list[int | None]
+    rejected: list[int | None]
 
 
 class SeriesView(BaseModel):
@@ -156,5 +217,9 @@ class SwarmSnapshot(BaseModel):
     gone: list[PeerView] = Field(description="Peers that left recently, most recent first.")
     trainers: list[TrainerView] = Field(description="Latest point of each trainer, most recent first.")
     finished: bool = Field(description="The run applied its last step (the manifest's max_steps).")
+    rl: RLSummary | None = Field(
+        description="An RL run at a glance; null when the run is no RL run (its manifest names no task; "
+        "without a manifest: no rollout peer or RL step is seen)."
+    )
     series: SeriesView
     events: list[EventView] = Field(description="Event log, newest last.")

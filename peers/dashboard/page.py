@@ -1,9 +1,12 @@
-"""The dashboard's one HTML page: swarm map, charts, peer table and event log.
+"""The dashboard's one HTML page: swarm map, charts, peer table and event log; for an RL run
+(the snapshot's `rl`), a panel of its own: figures, reward/accuracy, samples/s, policy lag and
+dropped-completion charts, and the rollout peers.
 
 Rendered in the browser from `/api/swarm` (first paint) and `/api/events` (server-sent
 snapshots, one a second); plotly.js comes from `/static/plotly.min.js`, never from a CDN.
 Kept as a string so it installs with the package without package-data settings. Elements
-carry `data-peer`, `data-status` and `data-col` attributes that the browser test reads.
+carry `data-peer`, `data-status`, `data-col` and `data-fig` attributes that the browser tests
+read.
 """
 
 PAGE = """<!doctype html>
@@ -48,7 +51,7 @@ PAGE = """<!doctype html>
   .lost { --c: var(--lost); } .finished { --c: var(--finished); } .banned { --c: var(--banned); } .gone { --c: var(--gone); }
   .replica { border-left-color: var(--c, var(--muted)); } .replica .st, td.state { color: var(--c); }
   .legend i { background: var(--c); }
-  #charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(340px, 100%), 1fr)); gap: 8px; }
+  .charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(min(340px, 100%), 1fr)); gap: 8px; }
   .chart { height: 230px; min-width: 0; }
   .scroll { overflow: auto; max-height: 380px; }
   table { border-collapse: collapse; width: 100%; font-size: 12px; }
@@ -65,6 +68,13 @@ PAGE = """<!doctype html>
   #events .replay .kind, #events .move .kind { color: var(--draining); }
   #events .rollback .kind { color: var(--lost); }
   #status.down { color: var(--banned); }
+  #rl-figures { display: grid; grid-template-columns: repeat(auto-fill, minmax(118px, 1fr)); gap: 8px; margin-bottom: 8px; }
+  .charts.four { grid-template-columns: repeat(auto-fit, minmax(min(280px, 100%), 1fr)); }
+  .fig { border: 1px solid var(--line); border-radius: 6px; padding: 5px 8px; min-width: 0; }
+  .fig b { display: block; font-size: 20px; font-weight: 600; font-variant-numeric: tabular-nums; }
+  .fig span { color: var(--muted); font-size: 12px; }
+  .fig.bad b { color: var(--banned); }
+  section h3 { font-size: 12px; color: var(--muted); font-weight: 600; margin: 10px 0 4px; }
   @media (max-width: 600px) {
     main { padding: 8px; gap: 8px; } header { padding: 8px; } section { padding: 8px; }
     .chart { height: 200px; }
@@ -86,7 +96,7 @@ PAGE = """<!doctype html>
     <span class="gone"><i></i>gone</span></span></h2>
     <div id="map"></div></section>
   <section><h2>Live</h2>
-    <div id="charts">
+    <div class="charts" id="charts">
       <div class="chart" id="chart-loss"></div>
       <div class="chart" id="chart-tokens"></div>
       <div class="chart" id="chart-bytes"></div>
@@ -94,6 +104,20 @@ PAGE = """<!doctype html>
       <div class="chart" id="chart-peers"></div>
     </div>
   </section>
+  <section id="rl" hidden><h2>Reinforcement learning <span class="legend" id="rl-run"></span></h2>
+    <div id="rl-figures"></div>
+    <div class="charts four">
+      <div class="chart" id="chart-reward"></div>
+      <div class="chart" id="chart-samples"></div>
+      <div class="chart" id="chart-lag"></div>
+      <div class="chart" id="chart-dropped"></div>
+    </div>
+    <h3>Rollout peers</h3>
+    <div class="scroll"><table>
+      <thead><tr><th>peer</th><th>state</th><th>device</th><th class="num">version</th><th class="num">lag</th>
+        <th class="num">samples</th><th class="num">samples/s</th><th class="num">time/sample</th>
+        <th class="num">refused</th><th class="num">updates</th></tr></thead>
+      <tbody id="rollouts"></tbody></table></div></section>
   <section><h2>Peers</h2><div class="scroll"><table>
     <thead><tr><th>peer</th><th>role</th><th class="num">stage</th><th>state</th><th>device</th>
       <th class="num">memory</th><th class="num">queue</th><th class="num">service</th>
@@ -118,7 +142,9 @@ const flops = f => f >= 1e12 ? `${(f / 1e12).toFixed(2)} TFLOP/s` : `${(f / 1e9)
 const ms = s => s ? (s < 1 ? `${(s * 1000).toFixed(1)} ms` : `${s.toFixed(2)} s`) : "";
 const memory = r => r.memory_used_bytes || r.memory_total_bytes ?
   `${bytes(r.memory_used_bytes)} / ${r.memory_total_bytes ? bytes(r.memory_total_bytes) : "?"}` : "";
-const device = r => r.capacity.device_name && r.device === "cpu" ? `cpu (${r.capacity.device_name})` : r.device;
+const device = r => (r.capacity.device_name && r.device === "cpu" ? `cpu (${r.capacity.device_name})` : r.device) +
+  (r.quantize ? ` (${r.quantize})` : "");
+const fixed = (x, digits) => x === null || x === undefined ? "n/a" : x.toFixed(digits);
 const MIN_SPAN_S = 60;  // every chart shows the same window, at least this wide, so the times line up
 let xrange = null;
 const layout = (title, y) => ({title: {text: title, font: {size: 13}}, margin: {l: 52, r: 8, t: 28, b: 28},
@@ -202,7 +228,7 @@ function renderCharts(view) {
   Plotly.react("chart-bytes", [{x, y: s.bytes_sent_per_s, name: "sent (on the wire)", mode: "lines"},
     {x, y: s.raw_bytes_sent_per_s, name: "before compression", mode: "lines", line: {dash: "dot"}}],
     bytesLayout, opts);
-  const peers = Object.entries(s.peers).filter(([, p]) => p.t.length);
+  const peers = Object.entries(s.peers).filter(([, p]) => p.t.length && p.role === "stage");
   Plotly.react("chart-served", peers.map(([id, p]) => ({x: p.t.map(when), y: p.served_per_s,
     name: short(id), mode: "lines"})), layout("microbatches / s per peer", "microbatches / s"), opts);
   const nStages = view.manifest ? view.manifest.num_stages : 0;
@@ -221,7 +247,66 @@ function render(view) {
     (view.finished ? " \\u00b7 run finished" : "") +
     (t ? ` \\u00b7 loss ${t.loss === null ? "n/a" : t.loss.toFixed(3)} \\u00b7 ` +
       `${Math.round(t.tokens_per_s)} tokens/s` : "");
-  renderMap(view); renderPeers(view); renderEvents(view); renderCharts(view);
+  if (view.rl && view.rl.reward !== null) {
+    document.getElementById("progress").textContent += ` \\u00b7 reward ${view.rl.reward.toFixed(3)}`;
+  }
+  renderMap(view); renderPeers(view); renderEvents(view); renderCharts(view); renderRL(view);
+}
+
+function renderRL(view) {
+  const panel = document.getElementById("rl"), rl = view.rl;
+  panel.hidden = !rl;
+  if (!rl) return;
+  const m = view.manifest && view.manifest.rl;
+  document.getElementById("rl-run").textContent = (m ? `task ${m.task} \\u00b7 ${m.samples_per_prompt} samples a prompt ` +
+    `\\u00b7 max staleness ${m.max_staleness}` : "") + (rl.step !== null ? ` \\u00b7 last RL step ${rl.step}` : "");
+  const figures = [
+    ["version", "policy version", rl.policy_version ?? "n/a"],
+    ["reward", "mean reward", fixed(rl.reward, 3)],
+    ["accuracy", "accuracy", rl.accuracy === null ? "n/a" : `${(rl.accuracy * 100).toFixed(1)}%`],
+    ["lag", "policy lag (steps)", fixed(rl.policy_lag, 2)],
+    ["samples", "samples / s", rl.samples_per_s.toFixed(1)],
+    ["rollouts", "rollout peers", rl.rollout_peers],
+    ["stale", "stale", rl.stale],  // normal when sampling runs ahead; rejections and bans are not
+    ["rejected", "rejected", rl.rejected, rl.rejected > 0],
+    ["banned", "banned peers", rl.banned, rl.banned > 0],
+  ];
+  document.getElementById("rl-figures").innerHTML = figures.map(([key, label, value, bad]) =>
+    `<div class="fig ${bad ? "bad" : ""}" data-fig="${key}"><b>${esc(value)}</b><span>${label}</span></div>`).join("");
+  const now = view.updated_at || Date.now() / 1000;
+  document.getElementById("rollouts").innerHTML = view.peers.concat(view.gone).filter(r => r.role === "rollout")
+    .map(r => `<tr class="${esc(r.status)}" data-peer="${esc(r.peer_id)}" title="${esc(r.peer_id)}">
+      <td class="id">${esc(short(r.peer_id))}</td><td class="state" data-col="status">${esc(r.status)}</td>
+      <td>${esc(device(r))}</td><td class="num" data-col="version">${r.step}</td>
+      <td class="num" data-col="lag">${r.policy_lag ?? ""}</td><td class="num">${r.served}</td>
+      <td class="num">${r.served_per_s.toFixed(1)}</td><td class="num">${ms(r.service_s)}</td>
+      <td class="num">${r.failed}</td><td class="num">${bytes(r.bytes_received)}</td></tr>`).join("")
+    || `<tr><td colspan="10"><em>no rollout peer announced</em></td></tr>`;
+  renderRLCharts(view);
+}
+
+function renderRLCharts(view) {
+  const s = view.series, trainers = Object.entries(s.trainers).filter(([, p]) => p.reward.some(v => v !== null));
+  const line = (t, y, name, extra) => Object.assign({x: t.map(when), y, name, mode: "lines+markers",
+    marker: {size: 5}, connectgaps: false}, extra || {});
+  const narrow = (title, y) => { const l = layout(title, y); l.xaxis.nticks = 4; return l; };  // four to a row
+  const rewardLayout = narrow("reward and accuracy", "per step");
+  rewardLayout.yaxis.range = [0, 1.05];
+  Plotly.react("chart-reward", trainers.flatMap(([n, p]) => [line(p.t, p.reward, `reward ${short(n)}`),
+    line(p.t, p.accuracy, `accuracy ${short(n)}`, {line: {dash: "dot"}, marker: {size: 5, symbol: "x"}})]),
+    rewardLayout, opts);
+  const rollouts = Object.entries(s.peers).filter(([, p]) => p.t.length && p.role === "rollout");
+  Plotly.react("chart-samples", trainers.map(([n, p]) => line(p.t, p.samples_per_s, `trained ${short(n)}`))
+    .concat(rollouts.map(([id, p]) => ({x: p.t.map(when), y: p.served_per_s, name: `sampled ${short(id)}`,
+      mode: "lines", line: {dash: "dot"}}))), narrow("samples / s", "samples / s"), opts);
+  const stageAt = new Map(s.t.map((t, i) => [t, s.step[i]]));
+  Plotly.react("chart-lag", trainers.map(([n, p]) => line(p.t, p.policy_lag, `trained ${short(n)}`))
+    .concat(rollouts.map(([id, p]) => ({x: p.t.map(when), y: p.t.map((t, i) => stageAt.has(t) ? stageAt.get(t) - p.step[i] : null),
+      name: `rollout ${short(id)}`, mode: "lines", line: {shape: "hv", dash: "dot"}}))),
+    narrow("policy lag", "versions behind"), opts);
+  Plotly.react("chart-dropped", trainers.flatMap(([n, p]) => [line(p.t, p.stale, `stale ${short(n)}`),
+    line(p.t, p.rejected, `rejected ${short(n)}`, {line: {dash: "dash"}})]),
+    narrow("stale and rejected completions", "completions (total)"), opts);
 }
 
 function setStatus(text, down) {

@@ -6,6 +6,11 @@ stage moves, bans, replays, completed steps) and into one point of each bounded 
 `add_trainer_point()` takes a trainer's `TrainerPoint` from `{run}.trainers`. No I/O and no
 clock of its own: the caller passes `now`, so tests drive it with plain data.
 
+An RL run (`rl` in the snapshot, null for others) shows more: each rollout peer's policy lag
+(versions behind the newest its stages serve) and sampling rate, each trainer's rewards,
+accuracy, samples per second and its feed's stale and rejected completions
+(`TrainerPoint.rl`), and the run's summary of them (`rl_view`).
+
 A peer's display state (`status` in the snapshot) is its own state (joining, serving,
 draining, finished), except `banned` while another live peer lists it in its `banned`, and `gone` for
 a while after it left. Everything kept is bounded: series by `history_len` points, the log
@@ -17,12 +22,12 @@ The view is read from the web server's thread while the poller writes it; one lo
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from dataclasses import dataclass
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.peers.dashboard.rl_view import finite, rl_dict, rl_series, rl_summary
 from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
@@ -76,6 +81,8 @@ class PeerPoint:
     """One poll of one peer's counters, with its rates since the peer's previous point (0 for its first)."""
 
     t: float
+    role: str
+    """The peer's role then: 'stage' (served counts microbatches) or 'rollout' (completions)."""
     served: int
     step: int
     bytes_sent: int
@@ -94,10 +101,6 @@ def rate(new: int, old: int, dt_s: float) -> float:
 
 def _short(peer_id: str) -> str:
     return peer_id[-8:]
-
-
-def finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None  # JSON has no NaN; a diverged loss shows as a gap
 
 
 def _describe(r: PeerRecord) -> str:
@@ -169,6 +172,8 @@ class SwarmView:
                 if r.role == "stage":  # only stage peers serve microbatches
                     point = self._add_peer_point(r, now)
                     sent, raw = sent + point.bytes_sent_per_s, raw + point.raw_bytes_sent_per_s
+                elif r.role == "rollout":  # their served count is completions sampled
+                    self._add_peer_point(r, now)
             for peer_id in [p for p in self.peers if p not in seen]:
                 self._missing[peer_id] = self._missing.get(peer_id, 0) + 1
                 if self._missing[peer_id] >= self.config.leave_after_missing:
@@ -229,7 +234,7 @@ class SwarmView:
         else:
             rates = (0.0, 0.0, 0.0)
         point = PeerPoint(
-            t=now, served=r.served, step=r.step, bytes_sent=r.bytes_sent, raw_bytes_sent=r.raw_bytes_sent,
+            t=now, role=r.role, served=r.served, step=r.step, bytes_sent=r.bytes_sent, raw_bytes_sent=r.raw_bytes_sent,
             served_per_s=rates[0], bytes_sent_per_s=rates[1], raw_bytes_sent_per_s=rates[2],
         )  # fmt: skip
         series.append(point)
@@ -304,9 +309,15 @@ class SwarmView:
             )
         return columns
 
+    def _policy_version(self) -> int | None:
+        """The newest policy version (step) a live stage peer holds; None without stage peers."""
+        return max((r.step for r in self.peers.values() if r.role == "stage"), default=None)
+
     def _peer_dict(self, r: PeerRecord, *, left_at: float | None = None) -> dict:
         """A peer record as the page and `swarmtrain status` show it: the record's fields plus
-        its display state, who bans it, its rates and its compression ratio."""
+        its display state, who bans it, its rates, its compression ratio and, for a rollout
+        peer, its policy lag."""
+        version = self._policy_version() if r.role == "rollout" else None
         series = self.peer_series.get(r.peer_id)
         last = series[-1] if series and left_at is None else None
         status = "gone" if left_at is not None else "banned" if r.peer_id in self.banned_by else r.state
@@ -319,6 +330,7 @@ class SwarmView:
             "memory_total_bytes": r.capacity.get("memory_bytes") or None,
             "missing_polls": self._missing.get(r.peer_id, 0),
             "left_at": left_at,
+            "policy_lag": None if version is None else version - r.step,
         }
 
     def _stage_codecs(self, k: int) -> dict[str, str | None]:
@@ -347,7 +359,23 @@ class SwarmView:
             "loss": m.loss,
             "compression": m.compression.to_dict(),
             "compressed": m.compression.is_enabled,
+            "rl": None if m.rl is None else m.rl.to_dict(),
         }
+
+    def _rl(self) -> dict | None:
+        """An RL run's summary (`rl_view.rl_summary`); None unless the run is an RL run: its
+        manifest names a task, or (without a manifest) a rollout peer or an RL step is seen."""
+        latest = [s[-1] for s in self.trainer_series.values() if s]
+        rollouts = [r for r in self.peers.values() if r.role == "rollout"]
+        if self.manifest is not None:
+            is_rl = self.manifest.rl is not None
+        else:
+            gone = any(r.role == "rollout" for r, _ in self.gone.values())
+            is_rl = bool(rollouts) or gone or any(p.rl is not None for p in latest)
+        if not is_rl:
+            return None
+        serving = sum(r.state == "serving" and r.peer_id not in self.banned_by for r in rollouts)
+        return rl_summary(latest, self._policy_version(), serving)
 
     def _finished(self) -> bool:
         """Whether the run applied its last step, as far as the polls seen tell: a stage peer
@@ -370,6 +398,7 @@ class SwarmView:
             "peers": {
                 peer_id: {
                     "t": [p.t for p in s],
+                    "role": s[-1].role,
                     "served": [p.served for p in s],
                     "served_per_s": [p.served_per_s for p in s],
                     "bytes_sent_per_s": [p.bytes_sent_per_s for p in s],
@@ -387,6 +416,7 @@ class SwarmView:
                     "replayed": [p.replayed for p in s],
                     "dropped": [p.dropped for p in s],
                     "window": [p.window for p in s],
+                    **rl_series(s),
                 }
                 for name, s in self.trainer_series.items()
             },
@@ -395,7 +425,7 @@ class SwarmView:
     def _trainers(self) -> list[dict]:
         """The latest point of each trainer, most recent first."""
         latest = sorted((s[-1] for s in self.trainer_series.values() if s), key=lambda p: -p.t)
-        return [p.to_dict() | {"loss": finite(p.loss)} for p in latest]
+        return [p.to_dict() | {"loss": finite(p.loss), "rl": rl_dict(p.rl)} for p in latest]
 
     def snapshot(self, *, with_history: bool = True) -> dict:
         """Everything `/api/swarm` serves, as JSON-ready primitives; without `with_history`,
@@ -413,6 +443,7 @@ class SwarmView:
                 "gone": [self._peer_dict(r, left_at=t) for r, t in reversed(self.gone.values())],
                 "trainers": self._trainers(),
                 "finished": self._finished(),
+                "rl": self._rl(),
             }
             if with_history:
                 out["series"] = self._series()

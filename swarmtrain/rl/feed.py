@@ -36,7 +36,9 @@ stay trained. A drawn reply of an older version is not checked (`verify_skipped`
 whose score pass failed (a stage moved on, a replica died): that is no proof of a lie.
 
 Advantages are normalised within each prompt's group of G completions, all from one reply
-(one policy version). Each step's rewards, accuracy and counts are in `step_stats`.
+(one policy version). Each step's rewards, accuracy and counts are in `step_stats`;
+`rl_point(step, seconds)` is what the trainer publishes of them (`TrainerPoint.rl`), and a
+trainer driven by the feed lists the peers it banned in its own peer record.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from swarmtrain.rl.verify import check_microbatch, logprob_gap
 from swarmtrain.train.step import StepFailedError
 from swarmtrain.transport import handler_name
 from swarmtrain.wire.frames import Frame
+from swarmtrain.wire.metrics import RLPoint
 from swarmtrain.wire.rollout_messages import RolloutRequest, decode_reply, encode_prompts
 
 logger = logging.getLogger(__name__)
@@ -161,6 +164,7 @@ class RolloutFeed:
             for t, _ in taken:
                 stats.samples += 1
                 stats.reward_sum += t.reward
+                stats.correct += self.task.is_correct(t.reward)
                 stats.versions.append(t.policy_version)
         trajectories, advantages = zip(*taken, strict=True)
         return grpo_microbatch(
@@ -177,11 +181,11 @@ class RolloutFeed:
     def report(self, step: int) -> dict:
         """What step `step` trained on and what the feed counted so far, as JSON-ready numbers."""
         stats = self.step_stats.get(step, StepStats())
-        lag = sum(step - v for v in stats.versions) / len(stats.versions) if stats.versions else float("nan")
         c = self.counts
         return {
             "reward": stats.reward,
-            "policy_lag": lag,
+            "accuracy": stats.accuracy,
+            "policy_lag": stats.policy_lag(step),
             "samples": c.samples,
             "stale": c.stale,
             "rejected": c.rejected,
@@ -193,6 +197,24 @@ class RolloutFeed:
             "logprob_gap": c.logprob_gap,
             "max_logprob_gap": c.max_logprob_gap,
         }
+
+    def rl_point(self, step: int, seconds: float) -> RLPoint:
+        """What step `step`, which took `seconds`, trained on and what the feed counted so far,
+        as the trainer publishes it (`TrainerPoint.rl`)."""
+        stats = self.step_stats.get(step, StepStats())
+        with self._lock:
+            c = self.counts
+            counts = {"stale": c.stale, "rejected": c.rejected, "lost": c.lost, "banned": len(self.banned)}
+            checks = {"verified": c.verified, "verify_failed": c.verify_failed}
+        return RLPoint(
+            samples=stats.samples,
+            reward=stats.reward,
+            accuracy=stats.accuracy,
+            policy_lag=stats.policy_lag(step),
+            samples_per_s=stats.samples / seconds if seconds > 0 else 0.0,
+            **counts,
+            **checks,
+        )
 
     def close(self) -> None:
         self._closed = True

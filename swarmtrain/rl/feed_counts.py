@@ -4,18 +4,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+NAN = float("nan")
+
 
 @dataclass
 class StepStats:
     """What one step trained on."""
 
     samples: int = 0
+    """Completions fed into the step."""
     reward_sum: float = 0.0
+    """Their rewards, summed."""
+    correct: int = 0
+    """Those fully right (`Task.is_correct`)."""
     versions: list[int] = field(default_factory=list)
+    """The policy version that sampled each."""
 
     @property
     def reward(self) -> float:
-        return self.reward_sum / self.samples if self.samples else float("nan")
+        """Mean reward; NaN for a step of no samples."""
+        return self.reward_sum / self.samples if self.samples else NAN
+
+    @property
+    def accuracy(self) -> float:
+        """The fraction fully right; NaN for a step of no samples."""
+        return self.correct / self.samples if self.samples else NAN
+
+    def policy_lag(self, step: int) -> float:
+        """Mean of `step` minus each sample's policy version; NaN for a step of no samples."""
+        return sum(step - v for v in self.versions) / len(self.versions) if self.versions else NAN
 
 
 @dataclass

@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from swarmtrain.errors import ConfigError
-
-QUANTIZE_MODES = ("8bit", "4bit")
+from swarmtrain.wire.rl_config import QUANTIZE_MODES
 
 
 def _bnb():

@@ -116,6 +116,10 @@ class Task:
         answer, marker, _ = completion.partition(self.end_marker)
         return 1.0 if marker and answer == self.solve(prompt) else 0.0
 
+    def is_correct(self, reward: float) -> bool:
+        """Whether a completion that earned `reward` is fully right (the reward is binary: 1.0)."""
+        return reward >= 1.0
+
     def is_held_out(self, prompt: str) -> bool:
         """Whether `prompt` belongs to the held-out split: by sha256 of its text, the same everywhere."""
         bucket = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little") % 100

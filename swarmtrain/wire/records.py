@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.wire.rl_config import RLConfig
+from swarmtrain.wire.rl_config import QUANTIZE_MODES, RLConfig
 from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the records' settings)
     CODEC_CHOICES,
     BatchConfig,
@@ -22,8 +22,10 @@ from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the record
     _from_dict,
 )
 
-WIRE_VERSION = 11
-"""9: RL runs (the manifest's rl, rollout peers and their requests).
+WIRE_VERSION = 12
+"""12: trainer points carry an RL step's figures (`metrics.RLPoint`), rollout peer records their
+quantization (`PeerRecord.quantize`), trainer records the rollout peers they ban.
+9: RL runs (the manifest's rl, rollout peers and their requests).
 8: policy versions ('weights' requests, the cause 'version_gone'), the run's weight readers.
 7: checkpoints (the run's cadence, the steps a peer holds, the 'lost' state).
 6: signed records, the run's authorized trainers, the private swarm's stream challenge.
@@ -364,6 +366,9 @@ class PeerRecord:
     """Tensor bytes sent, before compression (bytes_sent / raw_bytes_sent is the compression ratio)."""
     checkpoints: tuple[int, ...] = ()
     """Steps of the checkpoints of its stage the peer holds and serves, at most MAX_CHECKPOINTS_LISTED."""
+    quantize: str | None = None
+    """Rollout peers: the mode their policy copies' weights are quantized in (one of
+    QUANTIZE_MODES); None: full precision."""
 
     def __post_init__(self):
         if self.role not in PEER_ROLES:
@@ -393,6 +398,10 @@ class PeerRecord:
         for step in held:
             _check_count("a checkpoint step", step)
         object.__setattr__(self, "checkpoints", tuple(held))
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise ConfigError(
+                f"peer record: quantize must be null or one of {list(QUANTIZE_MODES)}, got {self.quantize!r:.40}"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"banned": list(self.banned), "checkpoints": list(self.checkpoints)}

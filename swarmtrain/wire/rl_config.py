@@ -17,6 +17,8 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.wire.run_config import _from_dict, _is_int, _is_number
 
 MAX_TASK_CHARS = 200
+QUANTIZE_MODES = ("8bit", "4bit")
+"""How a rollout peer may keep its policy copies' Linear weights (`swarmtrain.rl.quantize`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
