@@ -84,7 +84,36 @@ def read_status(node: SwarmReader, run_id: str | None, *, now: float) -> dict:
             view.add_trainer_point(TrainerPoint.from_dict(raw))
         except ConfigError:
             continue  # a malformed point is another peer's bug, not a reason to show nothing
-    return {"run_id": run_id} | view.snapshot(with_history=False)
+    return {"run_id": run_id, "rl_plan": rl_plan(manifest, records)} | view.snapshot(with_history=False)
+
+
+def rl_plan(manifest: RunManifest | None, records: list[PeerRecord]) -> dict | None:
+    """What the joint planner sees of an RL run (`swarmtrain.plan.rl`): the samples/s its stages
+    can train on and its rollout peers can sample, from their announced capacities, and how
+    many peers follow it (`--role auto`); None for other runs, or when it cannot tell."""
+    if manifest is None or manifest.rl is None:
+        return None
+    from swarmtrain.plan.rl import rl_rates
+    from swarmtrain.rl.roles import RoleView, rl_demand
+    from swarmtrain.train.placement import manifest_costs, manifest_plan_config
+
+    try:
+        view = RoleView(manifest, records)
+        consumed, produced = rl_rates(
+            view.plan,
+            view.rollouts,
+            manifest_costs(manifest),
+            view.peers,
+            manifest_plan_config(manifest),
+            rl_demand(manifest),
+        )
+    except ConfigError:  # a task this reader may not build, a capacity that does not add up
+        return None
+    return {
+        "consumed_samples_per_s": consumed,
+        "produced_samples_per_s": produced,
+        "auto_peers": len(view.movable),
+    }
 
 
 def read_swarm_status(config: StatusConfig) -> dict:
@@ -280,6 +309,15 @@ def rl_section(status: dict) -> list:
     )
     version = status["rl"]["policy_version"]
     parts = [Text(what + ("" if version is None else f"; the stages serve policy version {version}"))]
+    plan = status.get("rl_plan")
+    if plan:
+        parts.append(
+            Text(
+                f"planner: the stages can train ~{plan['consumed_samples_per_s']:.0f} samples/s, the rollout peers "
+                f"sample ~{plan['produced_samples_per_s']:.0f} (from their probes); {plan['auto_peers']} "
+                f"peer{'s' if plan['auto_peers'] != 1 else ''} follow it (--role auto)"
+            )
+        )
     for table in (rollout_table(status), rl_trainers_table(status)):
         if table is not None:
             parts.append(table)

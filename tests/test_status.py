@@ -188,6 +188,10 @@ def test_status_of_an_rl_run_shows_its_rollout_peers_and_the_trainers_rl_step():
     assert status["trainers"][0]["rl"]["reward"] == 0.625
     lines = [line.strip() for line in printed(status).splitlines()]
     assert "RL: task add, 8 samples a prompt, max staleness 2; the stages serve policy version 6" in lines
+    # the joint planner's view from the records: these announce no decode rate, none follows it
+    plan = status["rl_plan"]
+    assert plan["consumed_samples_per_s"] > 0 and plan["produced_samples_per_s"] == 0 and plan["auto_peers"] == 0
+    assert any(line.startswith("planner: the stages can train ~") and "0 peers follow it" in line for line in lines)
 
     def last_row(peer: str) -> list[str]:  # the RL section comes last; the peers table names them too
         return [line.split() for line in lines if line.startswith(peer[-8:])][-1]
@@ -217,5 +221,5 @@ def test_status_of_an_rl_step_of_no_samples_says_n_a_and_a_plain_run_has_no_rl_s
     )
     assert row[2:5] == ["n/a", "n/a", "n/a"]
     plain = read_status(FakeSwarm([DASH], {"dash": PEERS}, [POINT]), None, now=100.0)
-    assert plain["rl"] is None and plain["trainers"][0]["rl"] is None
+    assert plain["rl"] is None and plain["trainers"][0]["rl"] is None and plain["rl_plan"] is None
     assert "RL" not in printed(plain) and "rollout peers" not in printed(plain)
