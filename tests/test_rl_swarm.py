@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from swarmtrain.model import build_model
-from swarmtrain.peers.export import save_model
 from swarmtrain.rl.feed import RolloutFeed
 from swarmtrain.rl.local import LocalConfig, warmup
 from swarmtrain.rl.registry import build_task
+from swarmtrain.train.archive import save_model
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
 from tests.conftest import wait_until
 
