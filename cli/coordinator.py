@@ -141,7 +141,7 @@ def coordinator(
         typer.Option(
             help="Loss the last stage computes, by registered name: cross_entropy, weighted_cross_entropy "
             "(each microbatch also carries per-token 'weights'), or one the model's module registers.",
-            show_default="the model's own (tiny-gpt: cross_entropy)",
+            show_default="the model's own (tiny-gpt: cross_entropy); grpo with --task",
         ),
     ] = None,
     task: Annotated[
@@ -349,7 +349,7 @@ def coordinator(
                 averaging=compress_averaging,
                 error_feedback=error_feedback,
             ),
-            loss=loss if task is None else (loss or "grpo"),
+            loss=loss,
             rl=None
             if task is None
             else RLConfig(
