@@ -43,14 +43,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
+    """A rollout peer: which swarm and run, and where it samples."""
+
     node: NodeConfig
+    """The swarm to join (its initial peers, this peer's identity and key)."""
     run_id: str | None = None
+    """The RL run to sample for; None: the only run the swarm announces."""
     device: str = "cpu"
+    """Where both policy copies live and sample ('cpu', 'cuda:0')."""
     num_threads: int | None = None
+    """torch threads of this process; None: torch's default."""
     transport: TransportConfig = TransportConfig()
     models: ModelSources = NO_IMPORTS
+    """Model import paths this peer may import when the run names one (--allow-model)."""
     tasks: TaskSources = TaskSources()
+    """Task import paths this peer may import when the run names one."""
     heartbeat_s: float = 2.0
+    """Seconds between announcements of this peer's record."""
     follow_s: float = 0.5
     """Seconds between looks for a newer policy version."""
     wait_for_stages_s: float = 120.0
