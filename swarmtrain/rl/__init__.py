@@ -11,9 +11,10 @@
 Importing this package registers the GRPO losses.
 """
 
+from importlib import import_module
+
 from swarmtrain.rl.generate import SamplingConfig, Trajectory, accuracy, generate, rollout, score
 from swarmtrain.rl.grpo import GRPOConfig, group_advantages, grpo_config, grpo_microbatch, register_grpo_loss
-from swarmtrain.rl.local import DEFAULT_MODEL, LocalConfig, warm_up
 from swarmtrain.rl.registry import TaskSources, build_task, register_task, registered_tasks, resolve_task
 from swarmtrain.rl.tasks import ByteTokenizer, Task, warmup_batch
 
@@ -41,3 +42,12 @@ __all__ = [
     "warm_up",
     "warmup_batch",
 ]
+
+_LOCAL = ("DEFAULT_MODEL", "LocalConfig", "warm_up")
+"""Loaded on first use: `python -m swarmtrain.rl.local` must find its module not imported yet."""
+
+
+def __getattr__(name: str):
+    if name in _LOCAL:
+        return getattr(import_module("swarmtrain.rl.local"), name)
+    raise AttributeError(f"module 'swarmtrain.rl' has no attribute {name!r}")
