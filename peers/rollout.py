@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -151,7 +152,8 @@ class RolloutPeer:
         )
 
     def run(self) -> None:
-        """Serve until `stop()` (or Ctrl-C)."""
+        """Serve until `stop()`, SIGTERM or Ctrl-C; then announce itself draining and shut its
+        node down (its DHT process and p2p daemon with it)."""
         try:
             asyncio.run(self._main())
         finally:
@@ -178,6 +180,9 @@ class RolloutPeer:
                 )
             await asyncio.sleep(self.config.follow_s)
         await transport.serve(handler_name(self.manifest.run_id), self.worker.handle)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stop as `stop()` does: `run` then shuts the node down
+            with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: stop() is the way out
+                asyncio.get_running_loop().add_signal_handler(sig, self._stop.set)
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=3 * self.config.heartbeat_s)
         self.on_serving()
         beat = time.monotonic()
