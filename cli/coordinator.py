@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -384,6 +385,12 @@ def coordinator(
                 typer.echo(f"compression: {m.compression.describe()}")
             if m.loss is not None:
                 typer.echo(f"loss: {m.loss}")
+            if m.rl is not None:
+                options = f" {json.dumps(m.rl.task_options)}" if m.rl.task_options else ""
+                typer.echo(
+                    f"task: {m.rl.task}{options}, {m.rl.samples_per_prompt} completions a prompt, "
+                    "sampled by rollout peers (join --role rollout)"
+                )
             if coord.is_owner:
                 typer.echo(f"owner:        {coord.node.peer_id} (identity {owner.path})")
             else:
