@@ -33,24 +33,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from swarmtrain.model import build_model
-from swarmtrain.peers.export import save_model
 from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig
-from swarmtrain.peers.rl_demo import _policy
 from swarmtrain.rl.feed import RolloutFeed
 from swarmtrain.rl.generate import accuracy
-from swarmtrain.rl.local import DEFAULT_MODEL, LocalConfig, warmup
+from swarmtrain.rl.local import DEFAULT_MODEL, LocalConfig, warm_up
 from swarmtrain.rl.registry import build_task
+from swarmtrain.train.archive import save_model
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from swarmtrain.wire.rl_config import RLConfig
 
 
 @dataclass(frozen=True)
@@ -68,6 +64,7 @@ WEAK = Machine("weak", train_slowdown=32.0, sample_slowdown=8.0, memory="2GB")
 
 TASK, TASK_OPTIONS = "add", {"digits": 2}
 G = 8
+RL = RLConfig(task=TASK, task_options=TASK_OPTIONS, samples_per_prompt=G)
 PROMPTS_PER_STEP = 32
 BATCH = BatchConfig(microbatch_size=32, microbatches_per_step=8, max_in_flight=8)
 OPTIMIZER = OptimizerConfig(name="adamw", lr=3e-4, weight_decay=0.0, max_grad_norm=1.0)
@@ -173,16 +170,14 @@ def run_layout(
         run_id=f"rl-{name}",
         model_config=DEFAULT_MODEL,
         num_stages=2,
-        loss="grpo",
+        rl=RL,
+        init_from=str(warm),
         batch=BATCH,
         optimizer=OPTIMIZER,
         log_dir=str(log_dir / name),
         stage_args={0: stage_args(stages[0]), 1: stage_args(stages[1 % len(stages)])},
-        coordinator_args=(
-            "--task", TASK, "--task-options", json.dumps(TASK_OPTIONS),
-            "--samples-per-prompt", str(G), "--init-from", str(warm), "--checkpoint-every", "0",
-        ),
-    )  # fmt: skip
+        coordinator_args=("--checkpoint-every", "0"),
+    )
     with LocalSwarm(config) as swarm:
         extra = [
             swarm.spawn_stage(i % 2, extra_args=stage_args(m), wait=False) for i, m in enumerate(stages[2:])
@@ -200,9 +195,8 @@ def run_layout(
                     steps += 1
             elapsed = time.monotonic() - t0
             report = feed.report(steps - 1)
-            states = trainer.fetch_states()
+            policy = trainer.fetch_model()
             feed.close()
-    policy = _policy(states, DEFAULT_MODEL)
     tail = rewards[-max(1, len(rewards) // 4) :]
     return {
         "stages": [m.name for m in stages],
@@ -232,11 +226,10 @@ def main() -> None:
         parser.error("--strong and --weak must each be >= 2 (two stages)")
 
     task = build_task(TASK, TASK_OPTIONS)
-    torch.manual_seed(0)
-    model = build_model("tiny-gpt", DEFAULT_MODEL, device="cpu")
-    local = LocalConfig(task=TASK, task_options=TASK_OPTIONS, model=DEFAULT_MODEL, seed=0)
     t0 = time.monotonic()
-    warmup_steps = warmup(model, task, local, random.Random(0))
+    model, warmup_steps = warm_up(
+        LocalConfig(task=TASK, task_options=TASK_OPTIONS, model=DEFAULT_MODEL, seed=0)
+    )
     report = {
         "task": TASK,
         "samples_per_step": BATCH.microbatch_size * BATCH.microbatches_per_step,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -141,7 +142,7 @@ def coordinator(
         typer.Option(
             help="Loss the last stage computes, by registered name: cross_entropy, weighted_cross_entropy "
             "(each microbatch also carries per-token 'weights'), or one the model's module registers.",
-            show_default="the model's own (tiny-gpt: cross_entropy)",
+            show_default="the model's own (tiny-gpt: cross_entropy); grpo with --task",
         ),
     ] = None,
     task: Annotated[
@@ -349,7 +350,7 @@ def coordinator(
                 averaging=compress_averaging,
                 error_feedback=error_feedback,
             ),
-            loss=loss if task is None else (loss or "grpo"),
+            loss=loss,
             rl=None
             if task is None
             else RLConfig(
@@ -384,6 +385,12 @@ def coordinator(
                 typer.echo(f"compression: {m.compression.describe()}")
             if m.loss is not None:
                 typer.echo(f"loss: {m.loss}")
+            if m.rl is not None:
+                options = f" {json.dumps(m.rl.task_options)}" if m.rl.task_options else ""
+                typer.echo(
+                    f"task: {m.rl.task}{options}, {m.rl.samples_per_prompt} completions a prompt, "
+                    "sampled by rollout peers (join --role rollout)"
+                )
             if coord.is_owner:
                 typer.echo(f"owner:        {coord.node.peer_id} (identity {owner.path})")
             else:

@@ -80,9 +80,11 @@ class CoordinatorConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     """Codecs of activations, gradients and replica averaging on the wire (default: none)."""
     loss: str | None = None
-    """The loss the last stage computes, by registered name (e.g. 'weighted_cross_entropy'); None: the model's own."""
+    """The loss the last stage computes, by registered name (e.g. 'weighted_cross_entropy'); None:
+    the model's own, or 'grpo' for an RL run."""
     rl: RLConfig | None = None
-    """An RL run's task and sampling (rollout peers make its data); None: not an RL run."""
+    """An RL run's task and sampling (rollout peers make its data; its loss is a GRPO loss);
+    None: not an RL run."""
     trainers: tuple[str, ...] = ()
     """Peer ids of the trainers this run authorizes (the manifest lists them; stage peers take
     microbatches and commit phases from no one else)."""
@@ -110,6 +112,8 @@ class CoordinatorConfig:
 
     def __post_init__(self):
         check_run_id(self.run_id)
+        if self.rl is not None and self.loss is None:
+            object.__setattr__(self, "loss", "grpo")
         if self.loss is not None:
             check_loss_name(self.loss)
         if self.republish_s <= 0:

@@ -147,25 +147,3 @@ def load_exported(where: Path | str, *, sources: ModelSources = NO_IMPORTS) -> n
     tensors = read_tensors(where, names, file=MODEL_FILE)
     model.load_state_dict({names[k]: v for k, v in tensors.items()}, strict=False)
     return model.eval()
-
-
-def save_model(
-    model: nn.Module, out: Path | str, *, builder: str, config: dict, loss: str | None = None
-) -> Path:
-    """Write a whole model built in this process (`build_model(builder, config)`) as an export
-    (`coordinator --init-from OUT` starts a run from it; `load_exported` reads it back)."""
-    params = {
-        f"{key}.{name}": p.detach().cpu()
-        for key, part in model.parts()
-        for name, p in part.named_parameters()
-    }  # swarm names ('block.3.attn.w'), as a run's export holds them
-    meta = {
-        "format": EXPORT_FORMAT,
-        "run_id": "local",
-        "step": 0,
-        "model": builder,
-        "model_config": dict(config),
-        "num_blocks": model.num_blocks,
-        "loss": loss,
-    }
-    return write_model_dir(out, params=params, meta=meta)

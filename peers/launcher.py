@@ -1,4 +1,4 @@
-"""Spawn a whole swarm on this machine: a coordinator and stage peers as separate processes.
+"""Spawn a whole swarm on this machine: a coordinator, stage peers and rollout peers as processes.
 
 Each peer is a real `swarmtrain` CLI process in its own process group (its hivemind DHT
 process and p2pd daemon included), so `close()` or a kill of one peer takes down exactly
@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarmtrain.errors import SwarmError
+from swarmtrain.errors import ConfigError, SwarmError
 from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
+from swarmtrain.wire.rl_config import RLConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +45,15 @@ class LocalSwarmConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     """Codecs on the wire (the run manifest's compression)."""
     loss: str | None = None
-    """The run's loss by registered name (the run manifest's loss); None: the model's own."""
+    """The run's loss by registered name (the run manifest's loss); None: the model's own, or
+    'grpo' for an RL run."""
+    rl: RLConfig | None = None
+    """Make it an RL run on this task (the coordinator's --task and its RL flags); None: not one."""
+    rollout_peers: int = 0
+    """Rollout peers (`join --role rollout`) started with the swarm; only for an RL run."""
+    init_from: str | None = None
+    """A model directory every stage starts from (`save_model`'s or `swarmtrain export`'s
+    output; the coordinator's --init-from), e.g. a warmed-up policy; None: the run seed."""
     host: str = "127.0.0.1"
     """Address every peer listens on."""
     coordinator_port: int = 0
@@ -69,6 +78,18 @@ class LocalSwarmConfig:
     """Trainer identities the run authorizes (`trainer_identity(n)` gives the n-th key file);
     0 authorizes any trainer (benchmarks' baseline for the cost of authorization)."""
 
+    def __post_init__(self):
+        if self.rollout_peers < 0:
+            raise ConfigError(f"rollout_peers must be >= 0, got {self.rollout_peers}")
+        if self.rl is None:
+            if self.rollout_peers:
+                raise ConfigError(
+                    f"{self.rollout_peers} rollout peer(s) but no RL task: rollout peers sample "
+                    "completions of an RL run's task, give rl=RLConfig(task=...)"
+                )
+            return
+        self.rl.prompts_per_step(self.batch.microbatch_size * self.batch.microbatches_per_step)
+
 
 def cli_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "swarmtrain.cli", *args]
@@ -78,8 +99,24 @@ def _optional(flag: str, value) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
 
+def rl_flags(rl: RLConfig | None) -> list[str]:
+    """The `swarmtrain coordinator` flags that make its run the RL run `rl` (none for None)."""
+    if rl is None:
+        return []
+    return [
+        "--task", rl.task,
+        "--task-options", json.dumps(rl.task_options),
+        "--samples-per-prompt", str(rl.samples_per_prompt),
+        "--max-staleness", str(rl.max_staleness),
+        "--weights-codec", rl.weights_codec,
+        "--verify-fraction", str(rl.verify_fraction),
+        "--logprob-tolerance", str(rl.logprob_tolerance),
+    ]  # fmt: skip
+
+
 class LocalSwarm:
-    """`with LocalSwarm(config) as swarm:` a coordinator and one peer per stage, up and serving."""
+    """`with LocalSwarm(config) as swarm:` a coordinator, one peer per stage and the config's
+    rollout peers, up and serving."""
 
     def __init__(self, config: LocalSwarmConfig | None = None, **overrides):
         self.config = config or LocalSwarmConfig(**overrides)
@@ -191,6 +228,8 @@ class LocalSwarm:
                 "--compress-averaging", cfg.compression.averaging,
                 "--error-feedback" if cfg.compression.error_feedback else "--no-error-feedback",
                 *_optional("--loss", cfg.loss),
+                *rl_flags(cfg.rl),
+                *_optional("--init-from", cfg.init_from),
                 "--host", cfg.host,
                 "--port", str(cfg.coordinator_port),
                 "--address-file", str(address_file),
@@ -215,6 +254,7 @@ class LocalSwarm:
             self.spawn_stage(k, extra_args=tuple(cfg.stage_args.get(k, ())), wait=False)
             for k in range(num_stages)
         ]
+        names += [self.spawn_rollout(wait=False) for _ in range(cfg.rollout_peers)]
         for name in names:
             self.wait_ready(name)
 

@@ -1,6 +1,6 @@
 """`swarmtrain demo --rl`: a short supervised warm-up on a task, then GRPO through a local swarm.
 
-The warm-up runs in this process (`swarmtrain.rl.local.warmup`): it teaches tiny-gpt the
+The warm-up runs in this process (`swarmtrain.rl.local.warm_up`): it teaches tiny-gpt the
 task's format and a little of its answers, on purpose no more, and ends with the held-out
 greedy accuracy. The swarm then starts from those weights (`coordinator --init-from`): a
 coordinator naming the task, one stage peer per stage, rollout peers (`join --role rollout`)
@@ -11,24 +11,22 @@ stages and measures the same held-out accuracy again.
 
 from __future__ import annotations
 
-import random
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.model import build_model
-from swarmtrain.model.param_names import model_param_name
-from swarmtrain.peers.export import save_model
 from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig
+from swarmtrain.rl.feed import RolloutFeed
 from swarmtrain.rl.generate import accuracy
-from swarmtrain.rl.local import DEFAULT_MODEL, LocalConfig, warmup
+from swarmtrain.rl.local import DEFAULT_MODEL, LocalConfig, warm_up
 from swarmtrain.rl.registry import build_task
+from swarmtrain.train.archive import save_model
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from swarmtrain.wire.rl_config import RLConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +61,13 @@ class RLDemoConfig:
             raise ConfigError(f"demo --rl: warmup steps must be >= 0, got {self.warmup_steps}")
 
     @property
+    def rl(self) -> RLConfig:
+        """The run's task and groups (the coordinator's --task, --samples-per-prompt)."""
+        return RLConfig(
+            task=self.task, task_options=self.task_options, samples_per_prompt=self.samples_per_prompt
+        )
+
+    @property
     def batch(self) -> BatchConfig:
         """A step's prompts x G completions, in 8 microbatches (or one per prompt's group)."""
         per_step = self.prompts_per_step * self.samples_per_prompt
@@ -79,8 +84,6 @@ def run_rl_demo(config: RLDemoConfig, *, quiet: bool = False) -> dict:
     console = Console(stderr=True, quiet=quiet)
     task = build_task(config.task, config.task_options)
     t0 = time.monotonic()
-    torch.manual_seed(config.seed)
-    model = build_model("tiny-gpt", config.model_config, device="cpu")
     local = LocalConfig(
         task=config.task,
         task_options=config.task_options,
@@ -94,7 +97,7 @@ def run_rl_demo(config: RLDemoConfig, *, quiet: bool = False) -> dict:
         f"warm-up on {config.task!r} in this process, until greedy accuracy on train prompts reaches "
         f"{config.warmup_target} (at most {config.warmup_steps} steps)"
     )
-    warmup_steps = warmup(model, task, local, random.Random(config.seed)) if config.warmup_steps else 0
+    model, warmup_steps = warm_up(local)
     warm_accuracy = accuracy(model, task, config.eval_prompts)
     console.print(
         f"held-out accuracy after {warmup_steps} warm-up steps: {warm_accuracy:.3f} ({time.monotonic() - t0:.0f} s)"
@@ -106,26 +109,22 @@ def run_rl_demo(config: RLDemoConfig, *, quiet: bool = False) -> dict:
             run_id="rl-demo",
             model_config=config.model_config,
             num_stages=config.num_stages,
-            loss="grpo",
+            rl=config.rl,
+            rollout_peers=config.rollout_peers,
+            init_from=str(warm),
             batch=config.batch,
             optimizer=OptimizerConfig(
                 name="adamw", lr=config.lr, weight_decay=0.0, max_grad_norm=config.max_grad_norm
             ),
             seed=config.seed,
             log_dir=str(Path(tmp) / "logs"),
-            coordinator_args=(
-                "--task", config.task, "--task-options", _json(config.task_options),
-                "--samples-per-prompt", str(config.samples_per_prompt),
-                "--init-from", str(warm), "--checkpoint-every", "0",
-            ),
-        )  # fmt: skip
+            coordinator_args=("--checkpoint-every", "0"),
+        )
         console.print(
             f"starting a swarm: {config.num_stages} stage peers, {config.rollout_peers} rollout peers, "
             f"GRPO on {config.prompts_per_step} prompts x {config.samples_per_prompt} completions a step"
         )
         with LocalSwarm(swarm_config) as swarm:
-            for name in [swarm.spawn_rollout(wait=False) for _ in range(config.rollout_peers)]:
-                swarm.wait_ready(name)
             trained, rewards, lags, grpo_seconds = _train(swarm, config, console)
     final_accuracy = accuracy(trained, task, config.eval_prompts)
     console.print(
@@ -149,8 +148,6 @@ def run_rl_demo(config: RLDemoConfig, *, quiet: bool = False) -> dict:
 
 def _train(swarm: LocalSwarm, config: RLDemoConfig, console: Console):
     """GRPO through the swarm: (the trained policy, each step's reward, its policy lag, seconds)."""
-    from swarmtrain.rl.feed import RolloutFeed
-
     rewards, lags = [], []
     with swarm.trainer() as trainer:
         feed = RolloutFeed(trainer)
@@ -164,18 +161,4 @@ def _train(swarm: LocalSwarm, config: RLDemoConfig, console: Console):
                 f"{result.seconds:.1f} s  stale {report['stale']}"
             )
         seconds = time.monotonic() - t0
-        states = trainer.fetch_states()
-    return _policy(states, config.model_config), rewards, lags, seconds
-
-
-def _policy(states: list[dict[str, torch.Tensor]], model_config: dict):
-    model = build_model("tiny-gpt", model_config, device="cpu")
-    merged = {model_param_name(k): v for state in states for k, v in state.items()}
-    model.load_state_dict(merged, strict=False)
-    return model
-
-
-def _json(value: dict) -> str:
-    import json
-
-    return json.dumps(value)
+        return trainer.fetch_model(), rewards, lags, seconds

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,14 +47,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
+    """A rollout peer: which swarm and run, and where it samples."""
+
     node: NodeConfig
+    """The swarm to join (its initial peers, this peer's identity and key)."""
     run_id: str | None = None
+    """The RL run to sample for; None: the only run the swarm announces."""
     device: str = "cpu"
+    """Where both policy copies live and sample ('cpu', 'cuda:0')."""
     num_threads: int | None = None
+    """torch threads of this process; None: torch's default."""
     transport: TransportConfig = TransportConfig()
     models: ModelSources = NO_IMPORTS
+    """Model import paths this peer may import when the run names one (--allow-model)."""
     tasks: TaskSources = TaskSources()
+    """Task import paths this peer may import when the run names one."""
     heartbeat_s: float = 2.0
+    """Seconds between announcements of this peer's record."""
     follow_s: float = 0.5
     """Seconds between looks for a newer policy version."""
     wait_for_stages_s: float = 120.0
@@ -179,7 +189,8 @@ class RolloutPeer:
         )
 
     def run(self) -> None:
-        """Serve until `stop()` (or Ctrl-C)."""
+        """Serve until `stop()`, SIGTERM or Ctrl-C; then announce itself draining and shut its
+        node down (its DHT process and p2p daemon with it)."""
         try:
             asyncio.run(self._main())
         finally:
@@ -206,6 +217,9 @@ class RolloutPeer:
                 )
             await asyncio.sleep(self.config.follow_s)
         await transport.serve(handler_name(self.manifest.run_id), self.worker.handle)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stop as `stop()` does: `run` then shuts the node down
+            with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: stop() is the way out
+                asyncio.get_running_loop().add_signal_handler(sig, self._stop.set)
         await self.node.announce_async(self.manifest.run_id, self.record(), ttl_s=3 * self.config.heartbeat_s)
         self.on_serving()
         beat = checked = time.monotonic()

@@ -31,6 +31,9 @@ import torch
 from hivemind.utils import get_dht_time
 
 from swarmtrain.errors import BadFrameError, PeerUnreachableError, RemoteError
+from swarmtrain.model import ModelSources, SwarmModel
+from swarmtrain.model.param_names import model_from_states
+from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.faults import CallFault
 from swarmtrain.peers.trainer_config import TrainerConfig, check_authorized, shard_of
 from swarmtrain.peers.trainer_presence import TrainerPresence
@@ -327,6 +330,12 @@ class Trainer:
     def fetch_states(self) -> list[dict[str, torch.Tensor]]:
         """The parameters of each stage's earliest replica, keyed like `swarmtrain.train.reference`."""
         return [self.fetch_state(k, p) for k, p in enumerate(self.route())]
+
+    def fetch_model(self, sources: ModelSources = NO_IMPORTS) -> SwarmModel:
+        """The run's whole model as the stages hold it now, built in this process on the CPU
+        (`fetch_states`; the model's builder resolved under `sources`): after `train`, the
+        trained model, e.g. an RL run's policy to evaluate. SwarmError if a stage's state is short."""
+        return model_from_states(self.manifest, self.fetch_states(), sources)
 
     def fetch_state(self, stage: int, peer: str) -> dict[str, torch.Tensor]:
         """One replica's parameters, keyed like `swarmtrain.train.reference`."""

@@ -1,4 +1,4 @@
-"""The two things a newcomer runs first: `swarmtrain demo` and the custom-model example."""
+"""What a newcomer runs first: `swarmtrain demo` and the examples."""
 
 import json
 import math
@@ -51,6 +51,44 @@ def test_custom_model_example_trains():
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(losses) == 25
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0]
+
+
+def test_rl_example_trains_grpo_through_a_swarm_started_from_its_warm_up():
+    proc = run(
+        [
+            sys.executable,
+            "examples/rl_add.py",
+            "--steps",
+            "4",
+            "--rollout-peers",
+            "1",
+            "--eval-prompts",
+            "100",
+        ],
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    steps = [line.split() for line in lines if line.startswith("step")]
+    assert [int(s[1]) for s in steps] == [0, 1, 2, 3]
+    losses = [float(s[3]) for s in steps]
+    rewards = [float(s[5]) for s in steps]
+    lags = [float(s[8]) for s in steps]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert all(0 <= r <= 1 for r in rewards), rewards
+    # a policy from the seed is never right: rewards come from the warm-up's weights
+    assert any(r > 0 for r in rewards), rewards
+    assert all(0 <= lag <= 2 for lag in lags), lags  # nothing older than max_staleness trained
+    warm = float(lines[0].split()[-1])
+    assert lines[0].startswith("warm-up:") and 0 < warm <= 1, lines[0]
+    words = lines[-1].split()  # held-out accuracy: B after the warm-up, A after 4 GRPO steps
+    assert float(words[2]) == warm and 0 <= float(words[6]) <= 1, lines[-1]
+
+
+def test_rl_example_refuses_a_swarm_without_rollout_peers():
+    proc = run([sys.executable, "examples/rl_add.py", "--rollout-peers", "0"], timeout=60)
+    assert proc.returncode == 2
+    assert "--rollout-peers: must be an integer >= 1, got '0'" in proc.stderr
 
 
 def test_heterogeneous_demo_plans_unequal_stages_and_matches_the_homogeneous_losses():

@@ -6,17 +6,19 @@ killed."""
 import math
 import random
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 
 from swarmtrain.model import build_model
-from swarmtrain.peers.export import save_model
 from swarmtrain.rl.feed import RolloutFeed
 from swarmtrain.rl.local import LocalConfig, warmup
 from swarmtrain.rl.registry import build_task
+from swarmtrain.train.archive import save_model
 from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig, PeerRecord
+from swarmtrain.wire.rl_config import RLConfig
 from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
@@ -106,6 +108,40 @@ def test_grpo_trains_through_the_swarm_on_rollout_peers_and_bans_liars(local_swa
     for report in reports:
         assert 0 <= report["policy_lag"] <= 2, reports  # nothing staler than --max-staleness trained
         assert 0 <= report["reward"] <= 1
+
+
+def live_processes_of_group(pgid: int) -> list[int]:
+    """Processes of group `pgid` that have not exited (zombies do not count: this container's
+    init may be slow to reap an orphan)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()  # after '(comm)': state, ppid, pgrp
+        except OSError:  # it exited while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+def test_a_rollout_peer_stopped_by_sigterm_exits_cleanly_with_its_dht_process_and_daemon(local_swarm):
+    swarm = local_swarm(
+        model_config=MODEL,
+        num_stages=1,
+        rl=RLConfig(task="add", samples_per_prompt=G),
+        rollout_peers=1,
+        batch=BatchConfig(microbatch_size=16, microbatches_per_step=4),
+    )
+    name = next(n for n in swarm.procs if n.startswith("rollout"))
+    proc = swarm.procs[name]
+    assert len(live_processes_of_group(proc.pid)) >= 3  # the peer, its DHT process, its p2p daemon
+    swarm.signal(name, signal.SIGTERM)  # to the peer alone, as `kill PID` would
+    assert proc.wait(timeout=30) == 0, swarm.log_tail(name)
+    wait_until(
+        lambda: not live_processes_of_group(proc.pid),
+        timeout_s=30,
+        what="the rollout peer's DHT process and p2p daemon to exit with it",
+    )
 
 
 def test_grpo_trains_a_hugging_face_policy_through_the_swarm(local_swarm, tmp_path):

@@ -190,8 +190,12 @@ def test_status_of_an_rl_run_shows_its_rollout_peers_and_the_trainers_rl_step():
     assert "RL: task add, 8 samples a prompt, max staleness 2; the stages serve policy version 6" in lines
     # the joint planner's view from the records: these announce no decode rate, none follows it
     plan = status["rl_plan"]
-    assert plan["consumed_samples_per_s"] > 0 and plan["produced_samples_per_s"] == 0 and plan["auto_peers"] == 0
-    assert any(line.startswith("planner: the stages can train ~") and "0 peers follow it" in line for line in lines)
+    assert (
+        plan["consumed_samples_per_s"] > 0 and plan["produced_samples_per_s"] == 0 and plan["auto_peers"] == 0
+    )
+    assert any(
+        line.startswith("planner: the stages can train ~") and "0 peers follow it" in line for line in lines
+    )
 
     def last_row(peer: str) -> list[str]:  # the RL section comes last; the peers table names them too
         return [line.split() for line in lines if line.startswith(peer[-8:])][-1]

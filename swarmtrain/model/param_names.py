@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from swarmtrain.errors import SwarmError
 from swarmtrain.model.registry import NO_IMPORTS, ModelSources, build_model
 from swarmtrain.model.swarm_model import EMBED_KEY, HEAD_KEY, SwarmModel, block_key
 from swarmtrain.wire.records import RunManifest
@@ -48,3 +49,22 @@ def stage_param_names(manifest: RunManifest, stage: int, sources: ModelSources =
 def model_param_name(swarm_name: str) -> str:
     """'block.3.attn.w' -> 'blocks.3.attn.w' (the whole SwarmModel's own parameter name)."""
     return "blocks." + swarm_name.removeprefix("block.") if swarm_name.startswith("block.") else swarm_name
+
+
+def model_from_states(
+    manifest: RunManifest, states: list[dict[str, torch.Tensor]], sources: ModelSources = NO_IMPORTS
+) -> SwarmModel:
+    """The run's whole model built in this process on the CPU, holding the stages' parameters:
+    `states[k]` is stage k's, by swarm name (as `Trainer.fetch_states` gives them). Raises
+    SwarmError naming what is missing when the states do not hold every trained parameter."""
+    model = build_model(manifest.model, manifest.model_config, device="cpu", sources=sources)
+    merged = {model_param_name(k): v for state in states for k, v in state.items()}
+    wanted = [model_param_name(name) for name, _, _ in span_param_specs(model, 0, model.num_blocks)]
+    missing = [name for name in wanted if name not in merged]
+    if missing:
+        raise SwarmError(
+            f"run {manifest.run_id!r}: the stages' states lack {len(missing)} of the model's "
+            f"{len(wanted)} trained parameters, e.g. {missing[:3]}"
+        )
+    model.load_state_dict(merged, strict=False)  # buffers (not trained) keep the builder's values
+    return model

@@ -73,7 +73,18 @@ WAIT_FOR_ROLLOUTS_S = 180.0
 
 
 class RolloutFeed:
-    """GRPO microbatches from rollout peers (see the module docstring)."""
+    """An RL run's data: GRPO microbatches of rollout peers' completions (the module docstring
+    says how they are asked for and checked).
+
+        feed = RolloutFeed(trainer)
+        for result in trainer.train(feed, steps=N):
+            print(result.step, feed.report(result.step)["reward"])
+
+    `trainer` must be connected to an RL run (its manifest names a task: ConfigError otherwise);
+    the feed asks nothing of anyone until the first microbatch is drawn. A step with no
+    completions for WAIT_FOR_ROLLOUTS_S fails with StepFailedError saying what is missing.
+    `close()` stops asking (the trainer's `close` stops it too); the feed keeps its counts.
+    """
 
     def __init__(
         self,
@@ -179,7 +190,11 @@ class RolloutFeed:
         )
 
     def report(self, step: int) -> dict:
-        """What step `step` trained on and what the feed counted so far, as JSON-ready numbers."""
+        """What step `step` trained on and what the feed counted so far, as JSON-ready numbers:
+        'reward' (the mean reward of the step's completions: with a task's binary rewards, the
+        share it answered right; NaN for a step the feed did not feed), 'policy_lag' (mean
+        versions between the policy that sampled them and the step), and the feed's counts
+        (`FeedCounts`: samples, stale, rejected, lost, banned, verified, ...)."""
         stats = self.step_stats.get(step, StepStats())
         c = self.counts
         return {
@@ -217,6 +232,7 @@ class RolloutFeed:
         )
 
     def close(self) -> None:
+        """Stop asking for completions; requests still out are cancelled."""
         self._closed = True
         if self._pump is not None:
             self._pump.cancel()

@@ -1,6 +1,7 @@
 """A single-process reference loop: a short supervised warm-up, then GRPO with verifiable rewards.
 
     python -m swarmtrain.rl.local --task add --json
+    python -m swarmtrain.rl.local --task add --grpo-steps 0 --save warm   # a swarm run's start
 
 1. Warm-up: AdamW steps of 'weighted_cross_entropy' on train prompts with their answers
    (`swarmtrain.rl.tasks.warmup_batch`), until greedy accuracy on train prompts reaches
@@ -26,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +43,7 @@ from swarmtrain.rl.generate import SamplingConfig, accuracy, greedy_accuracy, ro
 from swarmtrain.rl.grpo import GRPOConfig, group_advantages, grpo_loss_fn, grpo_microbatch
 from swarmtrain.rl.registry import build_task
 from swarmtrain.rl.tasks import Task, warmup_batch
+from swarmtrain.train.archive import save_model
 
 DEFAULT_MODEL = {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 16}
 """tiny-gpt options: small enough for a CPU; seq_len 16 holds '99+99=198\\n'."""
@@ -150,6 +154,18 @@ def warmup(model: SwarmModel, task: Task, cfg: LocalConfig, rng: random.Random) 
     return cfg.warmup_steps
 
 
+def warm_up(cfg: LocalConfig, rng: random.Random | None = None) -> tuple[SwarmModel, int]:
+    """A fresh tiny-gpt of `cfg.model`, initialised from `cfg.seed` as a run's stages initialise
+    it, after `warmup` on `cfg.task` with prompts from `rng` (default: one seeded by `cfg.seed`).
+    Returns (the model, the warm-up steps it took). An RL run through a swarm starts from such a
+    policy: `save_model` it and name the directory as the run's `init_from`."""
+    task = build_task(cfg.task, cfg.task_options)
+    model = build_model("tiny-gpt", dict(cfg.model), device="meta")
+    model.materialise(cfg.seed)
+    steps = warmup(model, task, cfg, random.Random(cfg.seed) if rng is None else rng)
+    return model, steps
+
+
 def grpo_step(
     model: SwarmModel,
     opt: torch.optim.Optimizer,
@@ -179,25 +195,24 @@ def grpo_step(
     return float(rewards.mean()), loss.item()
 
 
-def run_local(cfg: LocalConfig) -> LocalResult:
+def run_local(cfg: LocalConfig, *, save_to: Path | str | None = None) -> LocalResult:
     """Warm up, evaluate, run GRPO, evaluate: see the module docstring. Runs on `cfg.threads`
-    torch threads, restoring the caller's count afterwards."""
+    torch threads, restoring the caller's count afterwards. With `save_to`, writes the final
+    policy there as an export (`coordinator --init-from` starts a run from it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _run(cfg)
+        return _run(cfg, save_to)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(cfg: LocalConfig) -> LocalResult:
+def _run(cfg: LocalConfig, save_to: Path | str | None) -> LocalResult:
     start, cpu_start = time.perf_counter(), time.process_time()
     task = build_task(cfg.task, cfg.task_options)
-    model = build_model("tiny-gpt", dict(cfg.model), device="meta")
-    model.materialise(cfg.seed)
     rng = random.Random(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    warmup_steps = warmup(model, task, cfg, rng)
+    model, warmup_steps = warm_up(cfg, rng)
     warmup_accuracy = accuracy(model, task, cfg.eval_prompts)
     warmup_seconds = time.perf_counter() - start
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -206,6 +221,8 @@ def _run(cfg: LocalConfig) -> LocalResult:
         reward, loss = grpo_step(model, opt, task, cfg, rng, generator, step)
         mean_rewards.append(reward)
         losses.append(loss)
+    if save_to is not None:
+        save_model(model, save_to, builder="tiny-gpt", config=dict(cfg.model))
     return LocalResult(
         warmup_accuracy=warmup_accuracy,
         final_accuracy=accuracy(model, task, cfg.eval_prompts),
@@ -237,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument(
+        "--save", type=Path, help="write the final policy to this directory (coordinator --init-from)"
+    )
     a = p.parse_args(argv)
     cfg = LocalConfig(
         task=a.task,
@@ -254,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_prompts=a.eval_prompts,
         threads=a.threads,
     )
-    result = run_local(cfg)
+    result = run_local(cfg, save_to=a.save)
     if a.json:
         summary = {k: v for k, v in asdict(result).items() if k not in ("mean_rewards", "losses")}
         print(json.dumps({**summary, "config": {**asdict(cfg), "grpo": asdict(cfg.grpo)}}))
@@ -263,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg.task}: held-out greedy accuracy {result.warmup_accuracy:.3f} after warm-up, "
             f"{result.final_accuracy:.3f} after {cfg.grpo_steps} GRPO steps ({result.seconds:.0f} s)"
         )
+    if a.save is not None:
+        print(f"policy written to {a.save}: start a run from it with --init-from {a.save}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,16 @@ import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from swarmtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from swarmtrain.model.swarm_model import SwarmModel
 
 EXPORT_FORMAT = "swarmtrain-export/1"
 RUN_FORMAT = "swarmtrain-run-checkpoint/1"
@@ -62,6 +66,29 @@ def write_model_dir(
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def save_model(
+    model: SwarmModel, out: Path | str, *, builder: str, config: dict, loss: str | None = None
+) -> Path:
+    """Write a whole model built in this process (`build_model(builder, config)`) to `out` as an
+    export: `coordinator --init-from OUT` (`LocalSwarmConfig.init_from`) starts a run from it,
+    `load_exported` reads it back. Returns `out`."""
+    params = {
+        f"{key}.{name}": p.detach().cpu()
+        for key, part in model.parts()
+        for name, p in part.named_parameters()
+    }  # swarm names ('block.3.attn.w'), as a run's export holds them
+    meta = {
+        "format": EXPORT_FORMAT,
+        "run_id": "local",
+        "step": 0,
+        "model": builder,
+        "model_config": dict(config),
+        "num_blocks": model.num_blocks,
+        "loss": loss,
+    }
+    return write_model_dir(out, params=params, meta=meta)
 
 
 def read_meta(where: Path | str) -> dict:
