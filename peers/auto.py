@@ -1,11 +1,11 @@
 """A peer whose role its run's planner picks, and re-picks: `swarmtrain join --role auto`.
 
 In a pre-training run the role is always a stage. In an RL run the peer first measures both
-things the planner weighs (`swarmtrain.plan.rl`): its matmul FLOP/s (what a stage replica
-trains at) and the tokens per second it decodes the run's policy at (what it would sample at;
-0 when two copies of the policy do not fit its memory). It reads the run's records and takes
-the role `swarmtrain.rl.roles.choose_role` gives: a stage with no replica first, else the role
-that raises the run's samples per second most. It then runs as that peer, announcing
+things the planner weighs (`swarmtrain.plan.rl`): its FLOP/s on a block of the run's model
+(what a stage replica trains at) and the tokens per second it decodes the run's policy at
+(what it would sample at; 0 when two copies of the policy do not fit its memory). It reads
+the run's records and takes the role `swarmtrain.rl.roles.choose_role` gives: a stage with no
+replica first, else the role that raises the run's samples per second most. It then runs as that peer, announcing
 `role_auto` so the planner may move it; when a later check finds that the other role would
 raise samples/s by more than 10% at three checks in a row (and it holds no stage's last
 replica), it drains, leaves, and comes back in the other role under the same peer id (its
@@ -21,7 +21,7 @@ from dataclasses import replace
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
 from swarmtrain.peers.rollout import RolloutConfig, RolloutPeer
-from swarmtrain.peers.self_measure import capacity
+from swarmtrain.peers.self_measure import block_capacity, capacity
 from swarmtrain.peers.stage import StageConfig, StagePeer
 from swarmtrain.rl.roles import AUTO_KEY, choose_role, probe_prompts
 from swarmtrain.swarm import SwarmNode
@@ -89,6 +89,7 @@ class AutoPeer:
                 max_memory_bytes=cfg.max_memory_bytes,
                 slowdown=cfg.slowdown,
             )
+            measured.update(block_capacity(manifest, cfg.device, slowdown=cfg.slowdown))
             measured["decode_tokens_per_s"] = decode_capacity(manifest, self.rollout_config)
             measured[AUTO_KEY] = True
             records = node.peers(manifest.run_id)

@@ -5,12 +5,15 @@ dashboard read them."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from swarmtrain.peers.probe import measure_links, probe
 from swarmtrain.transport import TensorTransport
+
+logger = logging.getLogger(__name__)
 
 LINK_PROBE_BYTES = 2**18
 LINK_PROBE_TIMEOUT_S = 5.0
@@ -29,6 +32,36 @@ def capacity(
         "is_spot": cap.is_spot,
         "device_name": cap.device_name,
         "slowdown": cap.slowdown,
+    }
+
+
+def block_capacity(manifest, device: str, *, slowdown: float = 1.0) -> dict:
+    """A forward and backward of one block of the run's own model on one of its microbatches,
+    timed on `device` (`measure_block_seconds`), as capacity keys: `block_flops_per_s` (the
+    block's traced FLOPs over its measured seconds, divided by `slowdown`) and `block_seconds`.
+    The planner prefers this calibrated rate to the matmul probe's (`placement.peer_capacity`):
+    small kernels, and everything around them, run far below peak matmul speed. {} when the
+    block cannot be timed here (the probe's rate stands)."""
+    from swarmtrain.errors import ConfigError
+    from swarmtrain.model.tracing import measure_block_seconds
+
+    try:
+        timing = measure_block_seconds(
+            manifest.model,
+            manifest.model_config,
+            microbatch_size=manifest.batch.microbatch_size,
+            device=device,
+            repeats=5,
+            warmup=2,
+        )
+    except (ConfigError, RuntimeError, ValueError) as e:
+        logger.warning(
+            "could not time a block of run %s here, planning from the matmul probe: %s", manifest.run_id, e
+        )
+        return {}
+    return {
+        "block_flops_per_s": timing.achieved_flops_per_s / slowdown,
+        "block_seconds": timing.seconds * slowdown,
     }
 
 

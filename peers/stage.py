@@ -31,7 +31,13 @@ from swarmtrain.peers.checkpoints import (
     default_checkpoint_dir,
 )
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
-from swarmtrain.peers.self_measure import capacity, device_label, link_figures, memory_used_bytes
+from swarmtrain.peers.self_measure import (
+    block_capacity,
+    capacity,
+    device_label,
+    link_figures,
+    memory_used_bytes,
+)
 from swarmtrain.peers.stage_config import StageConfig
 from swarmtrain.schedule import (
     ReadinessQueue,
@@ -138,6 +144,11 @@ class StagePeer:
             slowdown=cfg.slowdown,
         )
         self.capacity = await self._loop.run_in_executor(None, probe)  # alone: it times compute
+        self.capacity.update(
+            await self._loop.run_in_executor(
+                None, partial(block_capacity, manifest, cfg.device, slowdown=cfg.slowdown)
+            )
+        )
         self.capacity.update(cfg.announce)
         self._memory = await self._loop.run_in_executor(None, stage_memory_figures, manifest)
         fits = [True] * manifest.num_stages

@@ -259,3 +259,19 @@ def test_peers_that_joined_at_once_on_one_stage_spread_to_the_stages_nobody_serv
     assert [rebalancer.check(p, records) for p in ("a", "b", "c")] == [None, None, 1]
     # the last replica of a stage never leaves it, even for a stage nobody serves
     assert rebalancer.check("a", [a]) is None
+
+
+def test_a_rate_timed_on_a_block_of_the_runs_model_wins_over_the_matmul_probe():
+    from swarmtrain.peers.self_measure import block_capacity
+
+    timed = block_capacity(MANIFEST, "cpu")
+    assert timed["block_flops_per_s"] > 0 and timed["block_seconds"] > 0
+    slowed = block_capacity(MANIFEST, "cpu", slowdown=4.0)
+    # rate x seconds is the block's traced FLOPs, whatever the timing; a 4x slower machine
+    # announces a quarter of its measured rate (well under the unslowed one, timing noise aside)
+    flops = timed["block_flops_per_s"] * timed["block_seconds"]
+    assert slowed["block_flops_per_s"] * slowed["block_seconds"] == pytest.approx(flops)
+    assert slowed["block_flops_per_s"] < timed["block_flops_per_s"]
+    assert peer_capacity("p", {**CAPACITY, **timed}).flops_per_s == timed["block_flops_per_s"]
+    assert peer_capacity("p", CAPACITY).flops_per_s == CAPACITY["flops_per_s"]
+    assert peer_capacity("p", {**CAPACITY, "block_flops_per_s": None}).flops_per_s == CAPACITY["flops_per_s"]

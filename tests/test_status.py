@@ -227,3 +227,29 @@ def test_status_of_an_rl_step_of_no_samples_says_n_a_and_a_plain_run_has_no_rl_s
     plain = read_status(FakeSwarm([DASH], {"dash": PEERS}, [POINT]), None, now=100.0)
     assert plain["rl"] is None and plain["trainers"][0]["rl"] is None and plain["rl_plan"] is None
     assert "RL" not in printed(plain) and "rollout peers" not in printed(plain)
+
+
+def test_status_shows_the_cost_models_tokens_per_s_for_the_live_layout_beside_the_measured():
+    def layout(rate_a: float, rate_b: float) -> list[PeerRecord]:
+        calibrated = {**CAP, "block_flops_per_s": rate_a}  # timed on a block: it wins over flops_per_s
+        plain = {**CAP, "flops_per_s": rate_b}
+        return [
+            dataclasses.replace(PEERS[0], capacity=calibrated),
+            dataclasses.replace(PEERS[1], capacity=plain),
+        ]
+
+    slow = read_status(FakeSwarm([DASH], {"dash": layout(1e6, 1e6)}, [POINT]), None, now=100.0)
+    fast = read_status(FakeSwarm([DASH], {"dash": layout(2e6, 2e6)}, [POINT]), None, now=100.0)
+    assert slow["prediction"]["calibrated_peers"] == 1 and slow["prediction"]["stage_peers"] == 2
+    predicted = slow["prediction"]["predicted_tokens_per_s"]
+    assert fast["prediction"]["predicted_tokens_per_s"] == pytest.approx(2 * predicted)  # compute-bound
+    # the matmul probe's 1e12 FLOP/s of peer A is not what the model uses: its block's rate is
+    assert read_status(FakeSwarm([DASH], {"dash": PEERS}, [POINT]), None, now=100.0)["prediction"][
+        "predicted_tokens_per_s"
+    ] != pytest.approx(predicted)
+    line = next(line for line in printed(slow).splitlines() if line.startswith("layout:"))
+    assert f"predicts {predicted:.0f} tokens/s (1 of 2 stage peers timed a block" in line
+    assert f"the trainers measure 5300 ({predicted / 5300:.2f}x)" in line
+    # no prediction while a stage has no serving replica
+    leaving = [PEERS[0], dataclasses.replace(PEERS[1], state="draining")]
+    assert read_status(FakeSwarm([DASH], {"dash": leaving}, [POINT]), None, now=100.0)["prediction"] is None

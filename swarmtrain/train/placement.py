@@ -84,14 +84,15 @@ def manifest_plan_config(manifest: RunManifest) -> PlanConfig:
 
 
 def peer_capacity(peer_id: str, capacity: Mapping[str, Any] | None) -> PeerCapacity:
-    """A capacity dict (the keys of `PeerRecord.capacity`: flops_per_s, memory_bytes,
-    bandwidth_bytes_per_s, is_spot, decode_tokens_per_s) as the planner's PeerCapacity;
-    missing keys take a modest default (1 GFLOP/s, 16 GiB, loopback bandwidth, not spot, no
-    sampling)."""
+    """A capacity dict (the keys of `PeerRecord.capacity`: flops_per_s, block_flops_per_s,
+    memory_bytes, bandwidth_bytes_per_s, is_spot, decode_tokens_per_s) as the planner's
+    PeerCapacity. Its FLOP/s is the rate measured on a block of the run's model where the peer
+    announced one (`self_measure.block_capacity`), else the matmul probe's; missing keys take a
+    modest default (1 GFLOP/s, 16 GiB, loopback bandwidth, not spot, no sampling)."""
     cap = capacity or {}
     return PeerCapacity(
         peer_id=peer_id,
-        flops_per_s=float(cap.get("flops_per_s", 1e9)),
+        flops_per_s=float(cap.get("block_flops_per_s") or cap.get("flops_per_s", 1e9)),
         memory_bytes=float(cap.get("memory_bytes", 2**34)),
         bandwidth_bytes_per_s=float(cap.get("bandwidth_bytes_per_s", LOOPBACK_BYTES_PER_S)),
         is_spot=bool(cap.get("is_spot", False)),
