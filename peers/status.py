@@ -86,42 +86,8 @@ def read_status(node: SwarmReader, run_id: str | None, *, now: float) -> dict:
             continue  # a malformed point is another peer's bug, not a reason to show nothing
     return {
         "run_id": run_id,
-        "prediction": layout_prediction(manifest, records),
         "rl_plan": rl_plan(manifest, records),
     } | view.snapshot(with_history=False)
-
-
-def layout_prediction(manifest: RunManifest | None, records: list[PeerRecord]) -> dict | None:
-    """What the planner's cost model predicts for the run's live layout (`swarmtrain.plan.evaluate`
-    on its stage peers' announced capacities): pipeline tokens/s, and how many of those peers
-    announced a rate measured on a block of the run's model (the rest count at their matmul
-    probe's, which small kernels do not reach). None without a manifest or a full layout."""
-    if manifest is None:
-        return None
-    from swarmtrain.plan import evaluate
-    from swarmtrain.train.placement import capacity_of, layout_plan, manifest_costs, manifest_plan_config
-
-    live = [
-        r
-        for r in records
-        if r.role == "stage" and 0 <= r.stage < manifest.num_stages and r.state == "serving"
-    ]
-    if {r.stage for r in live} != set(range(manifest.num_stages)):
-        return None
-    try:
-        evaluation = evaluate(
-            layout_plan(manifest, live),
-            manifest_costs(manifest),
-            [capacity_of(r) for r in live],
-            manifest_plan_config(manifest),
-        )
-    except ConfigError:
-        return None
-    return {
-        "predicted_tokens_per_s": evaluation.throughput_tokens_per_s,
-        "calibrated_peers": sum(1 for r in live if r.capacity.get("block_flops_per_s")),
-        "stage_peers": len(live),
-    }
 
 
 def rl_plan(manifest: RunManifest | None, records: list[PeerRecord]) -> dict | None:

@@ -49,6 +49,8 @@ CODECS_JS = """return [...document.querySelectorAll('#map .stage')].map(
     s => s.querySelector('.codecs').textContent.trim().replace(/\\s+/g, ' '));"""
 CHART_JS = """const div = document.getElementById(arguments[0]);
     return (div && div.data || []).map(trace => trace.y || [])"""
+NAMED_TRACES_JS = """const div = document.getElementById(arguments[0]);
+    return (div && div.data || []).map(trace => [trace.name, trace.y || []])"""
 OVERFLOW_JS = """const width = document.documentElement.clientWidth, right = e => e.getBoundingClientRect().right;
     return [document.documentElement.scrollWidth - width,
         ...[...document.querySelectorAll('section')].map(s => Math.ceil(right(s)) - width),
@@ -144,8 +146,11 @@ def test_dashboard_in_a_browser_follows_a_real_swarm_and_status_outlives_the_coo
             timeout_s=20,
             what=f"the trainer's last loss {loss:.4f} on the loss chart",
         )
-        tokens = [v for y in browser.execute_script(CHART_JS, "chart-tokens") for v in y]
+        traces = dict(browser.execute_script(NAMED_TRACES_JS, "chart-tokens"))
+        predicted = traces.pop("predicted (cost model)")  # the stage peers timed a block at join
+        tokens = [v for y in traces.values() for v in y]
         assert tokens and all(math.isfinite(v) and v > 0 for v in tokens), tokens
+        assert any(v is not None and v > 0 for v in predicted), predicted
         assert "step" in browser.find_element("id", "progress").text
 
         metrics = get(swarm.dashboard_url + "/metrics")

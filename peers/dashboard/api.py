@@ -194,6 +194,17 @@ class TrainerSeries(BaseModel):
     rejected: list[int | None]
 
 
+class LayoutPrediction(BaseModel):
+    """The planner's cost model on the live layout (`placement.layout_prediction`)."""
+
+    predicted_tokens_per_s: float = Field(description="Pipeline tokens/s the cost model predicts.")
+    calibrated_peers: int = Field(
+        description="Serving stage peers that announced a rate timed on a block of the run's model; "
+        "the others count at their matmul probe's rate."
+    )
+    stage_peers: int = Field(description="Serving stage peers in the layout.")
+
+
 class SeriesView(BaseModel):
     """Bounded time series; the swarm-level lists are aligned with `t`."""
 
@@ -202,6 +213,10 @@ class SeriesView(BaseModel):
     step: list[int]
     bytes_sent_per_s: list[float] = Field(description="Sum of the stage peers' bytes_sent rates.")
     raw_bytes_sent_per_s: list[float]
+    predicted_tokens_per_s: list[float | None] = Field(
+        description="The cost model's tokens/s for the live layout at each poll; null while a stage "
+        "has no serving replica."
+    )
     peers: dict[str, PeerSeries]
     trainers: dict[str, TrainerSeries]
 
@@ -220,6 +235,10 @@ class SwarmSnapshot(BaseModel):
     rl: RLSummary | None = Field(
         description="An RL run at a glance; null when the run is no RL run (its manifest names no task; "
         "without a manifest: no rollout peer or RL step is seen)."
+    )
+    prediction: LayoutPrediction | None = Field(
+        description="What the planner's cost model predicts for the live layout; null without a "
+        "manifest or while a stage has no serving replica."
     )
     series: SeriesView
     events: list[EventView] = Field(description="Event log, newest last.")

@@ -220,8 +220,13 @@ function renderCharts(view) {
     marker: {size: 5}}, extra || {});
   Plotly.react("chart-loss", trainers.map(([n, p]) => line(p.t, p.loss, `loss ${short(n)}`)),
     layout(trainers.length ? "training loss" : "training loss (no trainer reports yet)", "loss"), opts);
-  Plotly.react("chart-tokens", trainers.map(([n, p]) => line(p.t, p.tokens_per_s, `tokens/s ${short(n)}`)),
-    layout("throughput", "tokens / s"), opts);
+  const tokens = trainers.map(([n, p]) => line(p.t, p.tokens_per_s, `tokens/s ${short(n)}`));
+  const predicted = s.predicted_tokens_per_s || [];
+  if (predicted.some(v => v !== null))  // the cost model on the live layout, beside what trainers measure
+    tokens.push({x, y: predicted, name: "predicted (cost model)", mode: "lines", connectgaps: false,
+      line: {dash: "dash", color: "#7f7f7f"}});
+  Plotly.react("chart-tokens", tokens,
+    layout(predicted.some(v => v !== null) ? "throughput: measured and predicted" : "throughput", "tokens / s"), opts);
   const anyBytes = s.bytes_sent_per_s.some(v => v > 0);
   const bytesLayout = layout(anyBytes ? "bytes on the wire" : "bytes on the wire (none reported yet)", "bytes / s");
   bytesLayout.yaxis.ticksuffix = "B";

@@ -22,6 +22,7 @@ The view is read from the web server's thread while the poller writes it; one lo
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from swarmtrain.wire.records import PeerRecord, RunManifest
 
 EVENT_KINDS = ("join", "leave", "state", "move", "ban", "replay", "drop", "step")
 DISPLAY_STATES = ("joining", "serving", "draining", "lost", "finished", "banned", "gone")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +151,12 @@ class SwarmView:
         self.bytes_sent_per_s: deque[float] = deque(maxlen=n)
         """Sum over stage peers of their bytes_sent rate: the swarm's traffic on the wire."""
         self.raw_bytes_sent_per_s: deque[float] = deque(maxlen=n)
+        self.predicted_tokens_per_s: deque[float | None] = deque(maxlen=n)
+        """The cost model's tokens/s for the live layout (`placement.layout_prediction`); None
+        while a stage has no serving replica."""
+        self.prediction: dict | None = None
+        """The latest `layout_prediction`."""
+        self._costs: tuple[RunManifest, list] | None = None  # the manifest's traced block costs
         self.peer_series: dict[str, deque[PeerPoint]] = {}
         self.trainer_series: dict[str, deque[TrainerPoint]] = {}
         self._max_step = -1
@@ -194,6 +203,10 @@ class SwarmView:
             self.step.append(step)
             self.bytes_sent_per_s.append(sent)
             self.raw_bytes_sent_per_s.append(raw)
+            self.prediction = self._predict()
+            self.predicted_tokens_per_s.append(
+                None if self.prediction is None else self.prediction["predicted_tokens_per_s"]
+            )
             self._forget_old_series()
             self.events.extend(new)
             self.version += 1
@@ -269,6 +282,24 @@ class SwarmView:
             if r.role == "stage" and r.state == "serving" and 0 <= r.stage < num_stages:
                 counts[r.stage] += 1
         return tuple(counts)
+
+    def _predict(self) -> dict | None:
+        """`layout_prediction` of the live stage peers; the manifest's block costs are traced
+        once per manifest. None without a manifest, or when its model cannot be traced here."""
+        from swarmtrain.train.placement import layout_prediction, manifest_costs
+
+        m = self.manifest
+        if m is None:
+            return None
+        if self._costs is None or self._costs[0] != m:
+            try:
+                self._costs = (m, manifest_costs(m))
+            except (ConfigError, RuntimeError) as e:  # a model this process may not build
+                self._costs = (m, [])
+                logger.debug("no cost model for run %s: %s", m.run_id, e)
+        if not self._costs[1]:
+            return None
+        return layout_prediction(m, self.peers.values(), self._costs[1])
 
     def _forget_old_series(self) -> None:
         """Drop the series of gone peers and silent trainers once their last point has aged out
@@ -395,6 +426,7 @@ class SwarmView:
             "step": list(self.step),
             "bytes_sent_per_s": list(self.bytes_sent_per_s),
             "raw_bytes_sent_per_s": list(self.raw_bytes_sent_per_s),
+            "predicted_tokens_per_s": list(self.predicted_tokens_per_s),
             "peers": {
                 peer_id: {
                     "t": [p.t for p in s],
@@ -444,6 +476,7 @@ class SwarmView:
                 "trainers": self._trainers(),
                 "finished": self._finished(),
                 "rl": self._rl(),
+                "prediction": self.prediction,
             }
             if with_history:
                 out["series"] = self._series()

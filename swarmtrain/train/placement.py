@@ -10,7 +10,7 @@ from typing import Any
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
 from swarmtrain.model.tracing import block_costs
-from swarmtrain.plan import BlockCost, PeerCapacity, Plan, PlanConfig, plan_swarm, serving_stage
+from swarmtrain.plan import BlockCost, PeerCapacity, Plan, PlanConfig, evaluate, plan_swarm, serving_stage
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
 LOOPBACK_BYTES_PER_S = 500 * 2**20
@@ -115,6 +115,37 @@ def layout_plan(manifest: RunManifest, records: Iterable[PeerRecord]) -> Plan:
         throughput_tokens_per_s=0.0,
         stage_tokens_per_s=(0.0,) * manifest.num_stages,
     )
+
+
+def layout_prediction(
+    manifest: RunManifest, records: Iterable[PeerRecord], costs: Sequence[BlockCost] | None = None
+) -> dict | None:
+    """What the planner's cost model predicts for the run's live layout (`evaluate` on its
+    serving stage peers' announced capacities): `predicted_tokens_per_s`, and how many of those
+    `stage_peers` are `calibrated_peers` (they announced a rate timed on a block of the run's
+    model; the rest count at their matmul probe's, which small kernels do not reach). None while
+    a stage has no serving replica. `costs`: `manifest_costs(manifest)`, if the caller keeps it."""
+    live = [
+        r
+        for r in records
+        if r.role == "stage" and 0 <= r.stage < manifest.num_stages and r.state == "serving"
+    ]
+    if {r.stage for r in live} != set(range(manifest.num_stages)):
+        return None
+    try:
+        evaluation = evaluate(
+            layout_plan(manifest, live),
+            manifest_costs(manifest) if costs is None else costs,
+            [capacity_of(r) for r in live],
+            manifest_plan_config(manifest),
+        )
+    except (ConfigError, TypeError, ValueError):  # a capacity that does not parse
+        return None
+    return {
+        "predicted_tokens_per_s": evaluation.throughput_tokens_per_s,
+        "calibrated_peers": sum(1 for r in live if r.capacity.get("block_flops_per_s")),
+        "stage_peers": len(live),
+    }
 
 
 class StageRebalancer:
