@@ -354,8 +354,9 @@ def prediction_line(status: dict) -> Text | None:
         return None
     measured = max((t["tokens_per_s"] for t in status["trainers"]), default=None)
     text = (
-        f"layout: the cost model predicts {p['predicted_tokens_per_s']:.0f} tokens/s "
-        f"({p['calibrated_peers']} of {p['stage_peers']} stage peers timed a block of the run's model)"
+        f"layout: the cost model predicts {p['predicted_tokens_per_s']:.0f} tokens/s (of {p['stage_peers']} "
+        f"stage peers, {p['measured_peers']} at their measured seconds per microbatch, "
+        f"{p['calibrated_peers']} timed a block of the run's model at join)"
     )
     if measured:
         text += f"; the trainers measure {measured:.0f} ({p['predicted_tokens_per_s'] / measured:.2f}x)"

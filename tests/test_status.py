@@ -233,22 +233,30 @@ def test_status_shows_the_cost_models_tokens_per_s_for_the_live_layout_beside_th
     def layout(rate_a: float, rate_b: float) -> list[PeerRecord]:
         calibrated = {**CAP, "block_flops_per_s": rate_a}  # timed on a block: it wins over flops_per_s
         plain = {**CAP, "flops_per_s": rate_b}
-        return [
-            dataclasses.replace(PEERS[0], capacity=calibrated),
+        return [  # neither served yet (no service_s): their announced rates count
+            dataclasses.replace(PEERS[0], capacity=calibrated, service_s=0.0),
             dataclasses.replace(PEERS[1], capacity=plain),
         ]
 
     slow = read_status(FakeSwarm([DASH], {"dash": layout(1e6, 1e6)}, [POINT]), None, now=100.0)
     fast = read_status(FakeSwarm([DASH], {"dash": layout(2e6, 2e6)}, [POINT]), None, now=100.0)
     assert slow["prediction"]["calibrated_peers"] == 1 and slow["prediction"]["stage_peers"] == 2
+    assert slow["prediction"]["measured_peers"] == 0
     predicted = slow["prediction"]["predicted_tokens_per_s"]
     assert fast["prediction"]["predicted_tokens_per_s"] == pytest.approx(2 * predicted)  # compute-bound
     # the matmul probe's 1e12 FLOP/s of peer A is not what the model uses: its block's rate is
     assert read_status(FakeSwarm([DASH], {"dash": PEERS}, [POINT]), None, now=100.0)["prediction"][
         "predicted_tokens_per_s"
     ] != pytest.approx(predicted)
+    # once both served, their measured seconds per microbatch count, whatever they announced
+    served = [dataclasses.replace(r, service_s=0.05) for r in layout(1e6, 1e6)]
+    again = [dataclasses.replace(r, service_s=0.05) for r in layout(9e6, 3e6)]
+    measured = read_status(FakeSwarm([DASH], {"dash": served}, [POINT]), None, now=100.0)["prediction"]
+    assert measured["measured_peers"] == 2
+    assert measured == read_status(FakeSwarm([DASH], {"dash": again}, [POINT]), None, now=100.0)["prediction"]
     line = next(line for line in printed(slow).splitlines() if line.startswith("layout:"))
-    assert f"predicts {predicted:.0f} tokens/s (1 of 2 stage peers timed a block" in line
+    assert f"predicts {predicted:.0f} tokens/s (of 2 stage peers, 0 at their measured" in line
+    assert "1 timed a block of the run's model at join" in line
     assert f"the trainers measure 5300 ({predicted / 5300:.2f}x)" in line
     # no prediction while a stage has no serving replica
     leaving = [PEERS[0], dataclasses.replace(PEERS[1], state="draining")]

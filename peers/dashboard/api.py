@@ -197,7 +197,14 @@ class TrainerSeries(BaseModel):
 class LayoutPrediction(BaseModel):
     """The planner's cost model on the live layout (`placement.layout_prediction`)."""
 
-    predicted_tokens_per_s: float = Field(description="Pipeline tokens/s the cost model predicts.")
+    predicted_tokens_per_s: float = Field(
+        description="Tokens/s the cost model predicts for a step: the pipeline filling and draining "
+        "around the step's microbatches (GPipe's bubble)."
+    )
+    steady_tokens_per_s: float = Field(description="The pipeline's rate with every stage busy.")
+    measured_peers: int = Field(
+        description="Serving stage peers counted at their measured compute seconds per microbatch."
+    )
     calibrated_peers: int = Field(
         description="Serving stage peers that announced a rate timed on a block of the run's model; "
         "the others count at their matmul probe's rate."

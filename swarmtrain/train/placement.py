@@ -4,6 +4,7 @@ the stage peers and the launchers in `swarmtrain.peers` call it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -121,10 +122,15 @@ def layout_prediction(
     manifest: RunManifest, records: Iterable[PeerRecord], costs: Sequence[BlockCost] | None = None
 ) -> dict | None:
     """What the planner's cost model predicts for the run's live layout (`evaluate` on its
-    serving stage peers' announced capacities): `predicted_tokens_per_s`, and how many of those
-    `stage_peers` are `calibrated_peers` (they announced a rate timed on a block of the run's
-    model; the rest count at their matmul probe's, which small kernels do not reach). None while
-    a stage has no serving replica. `costs`: `manifest_costs(manifest)`, if the caller keeps it."""
+    serving stage peers): `steady_tokens_per_s`, the pipeline's rate with every stage busy, and
+    `predicted_tokens_per_s`, what a step achieves once the pipeline fills and drains around
+    its microbatches. Each replica counts at its best measured rate. A
+    replica that served counts at its measured compute seconds per microbatch (`service_s`:
+    forward and backward of its stage as it runs there, sharing the machine with whatever else
+    does); one that did not yet at its announced capacity: a rate timed on a block of the run's
+    model at join (`calibrated_peers`), else its matmul probe's, which small kernels do not
+    reach. `measured_peers` counts the first kind, `stage_peers` all. None while a stage has no
+    serving replica. `costs`: `manifest_costs(manifest)`, if the caller keeps it."""
     live = [
         r
         for r in records
@@ -132,17 +138,33 @@ def layout_prediction(
     ]
     if {r.stage for r in live} != set(range(manifest.num_stages)):
         return None
+    costs = manifest_costs(manifest) if costs is None else costs
+    tokens = sample_positions(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
     try:
-        evaluation = evaluate(
-            layout_plan(manifest, live),
-            manifest_costs(manifest) if costs is None else costs,
-            [capacity_of(r) for r in live],
-            manifest_plan_config(manifest),
-        )
+        peers = []
+        for r in live:
+            cap = capacity_of(r)
+            if r.service_s > 0:  # flops/s at which the stage's FLOPs take the measured seconds
+                start, end = manifest.stage_span(r.stage)
+                flops = tokens * sum(c.flops_per_token for c in costs[start:end])
+                cap = dataclasses.replace(cap, flops_per_s=flops / r.service_s)
+            peers.append(cap)
+        evaluation = evaluate(layout_plan(manifest, live), costs, peers, manifest_plan_config(manifest))
     except (ConfigError, TypeError, ValueError):  # a capacity that does not parse
         return None
+    # A step's microbatches fill the pipeline and drain it (GPipe's bubble): one microbatch
+    # crosses every stage (on one replica each), the other M - 1 follow at the slowest stage's pace.
+    rates = evaluation.stage_tokens_per_s
+    if min(rates) <= 0:
+        return None
+    replicas = [sum(1 for r in live if r.stage == k) for k in range(manifest.num_stages)]
+    M = manifest.batch.microbatches_per_step
+    step_s = sum(n * tokens / rate for n, rate in zip(replicas, rates, strict=True))
+    step_s += (M - 1) * tokens / min(rates)
     return {
-        "predicted_tokens_per_s": evaluation.throughput_tokens_per_s,
+        "predicted_tokens_per_s": M * tokens / step_s,
+        "steady_tokens_per_s": evaluation.throughput_tokens_per_s,
+        "measured_peers": sum(1 for r in live if r.service_s > 0),
         "calibrated_peers": sum(1 for r in live if r.capacity.get("block_flops_per_s")),
         "stage_peers": len(live),
     }
