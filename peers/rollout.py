@@ -34,7 +34,7 @@ from swarmtrain.rl.generate import measure_decode
 from swarmtrain.rl.grpo import grpo_config
 from swarmtrain.rl.quantize import check_mode, parameter_bytes, quantize_model
 from swarmtrain.rl.registry import TaskSources, build_task
-from swarmtrain.rl.roles import probe_prompts
+from swarmtrain.rl.roles import RoleChecker, probe_prompts
 from swarmtrain.rl.verify import lie_about_logprobs
 from swarmtrain.rl.weights import FetchConfig, fetch_version, latest_version, swarm_source
 from swarmtrain.rl.worker import RolloutWorker
@@ -160,8 +160,6 @@ class RolloutPeer:
         )
         self._role_checker = None
         if config.auto_role:
-            from swarmtrain.rl.roles import RoleChecker
-
             self._role_checker = RoleChecker(m, tasks=config.tasks, patience=config.rebalance_patience)
         self.switch_role: str | None = None
         """Set when the peer left to take another role (`--role auto`): 'stage'."""
