@@ -20,6 +20,7 @@ from swarmtrain.schedule import (
     ReadinessRouter,
     ReplicaReport,
     RoundRobinRouter,
+    RouterConfig,
     StaticQueue,
     StepLedger,
     Task,
@@ -115,12 +116,15 @@ def test_service_times_are_moving_averages_per_kind():
     est.finished(2.0, now=2.0)
     assert est.service_of("forward") == 2.0  # the first run sets the average
     est.started("forward", now=2.0)
-    est.finished(4.0, now=6.0)
-    assert est.service_of("forward") == 3.0  # 2 + 0.5 x (4 - 2)
+    est.finished(1.0, now=3.0)
+    assert est.service_of("forward") == 1.0  # the second replaces it: the first run was cold
+    est.started("forward", now=3.0)
+    est.finished(3.0, now=6.0)
+    assert est.service_of("forward") == 2.0  # then they average: 1 + 0.5 x (3 - 1)
     est.started("backward", now=6.0)
     est.finished(1.0, now=7.0)
-    assert est.service_s == 4.0  # forward + backward
-    assert est.busy_s == 7.0 and est.tasks_run == 3
+    assert est.service_s == 3.0  # forward + backward
+    assert est.busy_s == 7.0 and est.tasks_run == 4
 
 
 def test_backlog_counts_queued_tasks_and_what_remains_of_the_running_one():
@@ -148,13 +152,13 @@ def test_an_idle_peer_reports_its_best_service_time_only_after_the_idle_period()
     for kind, t in [("forward", 11.0), ("backward", 14.0)]:  # the device throttles
         est.started(kind, now=t)
         est.finished(3.0, now=t + 3.0)
-    assert est.service_s == 4.0  # (1 + 0.5 x 2) + (1 + 0.5 x 2)
-    assert est.report([], now=17.0).service_s == 4.0  # just finished
-    assert est.report([], now=19.0).service_s == 4.0  # idle for exactly the period: not yet
+    assert est.service_s == 6.0  # each kind's second run replaces its first: 3 + 3
+    assert est.report([], now=17.0).service_s == 6.0  # just finished
+    assert est.report([], now=19.0).service_s == 6.0  # idle for exactly the period: not yet
     assert est.report([], now=19.5).service_s == 2.0  # idle for longer: its best
-    assert est.report(["forward"], now=19.5).service_s == 4.0  # work waiting: not idle
+    assert est.report(["forward"], now=19.5).service_s == 6.0  # work waiting: not idle
     est.started("forward", now=20.0)
-    assert est.report([], now=30.0).service_s == 4.0  # a task running: not idle
+    assert est.report([], now=30.0).service_s == 6.0  # a task running: not idle
 
 
 def test_the_last_stage_times_its_fused_loss_tasks():
@@ -163,9 +167,9 @@ def test_the_last_stage_times_its_fused_loss_tasks():
     est.finished(3.0, now=3.0)
     est.started("loss", now=3.0)
     est.finished(5.0, now=8.0)
-    assert est.service_s == 4.0 and est.service_of("forward") == 0
+    assert est.service_s == 5.0 and est.service_of("forward") == 0  # the second replaced the first
     assert est.report([], now=9.0).service_s == 3.0  # idle: the best loss time
-    assert est.report(["loss"], now=9.0).backlog_s == 4.0
+    assert est.report(["loss"], now=9.0).backlog_s == 5.0
 
 
 @pytest.mark.parametrize(
@@ -246,6 +250,32 @@ def test_router_probes_a_replica_it_has_not_used_for_a_while():
         r.sent(peer, t)
         r.done(peer, t, ok=True)
     assert r.choose(["a", "b"], now=3.5) == "b"  # nothing sent to b for over 3 s: probe it
+
+
+def test_router_probes_a_replica_passed_over_for_probe_every_microbatches():
+    """A fast swarm routes many microbatches a second: one slow measurement (a cold first task,
+    a hiccup of the machine) must not keep a replica idle for seconds."""
+    r = ReadinessRouter(RouterConfig(probe_every=4))
+    r.report("a", backlog_s=0, service_s=0.01, now=0)
+    r.report("b", backlog_s=0, service_s=1.0, now=0)  # one slow measurement
+    r.sent("b", now=0)
+    r.done("b", now=0, ok=True)
+    picks = []
+    for i in range(10):
+        now = i * 0.01  # far less than stale_after_s
+        peer = r.choose(["a", "b"], now=now)
+        r.sent(peer, now)
+        r.done(peer, now, ok=True)
+        picks.append(peer)
+    assert picks == ["a"] * 4 + ["b"] + ["a"] * 4 + ["b"]  # at most one in probe_every + 1
+    r.sent("b", 1.0)  # b still busy with a microbatch: not probed again until it answers
+    assert all(r.choose(["a", "b"], now=1.0 + i * 0.01) == "a" for i in range(8))
+
+
+@pytest.mark.parametrize("fields", [{"probe_every": 0}, {"probe_every": 2.5}, {"stale_after_s": 0}])
+def test_router_config_says_what_is_wrong(fields):
+    with pytest.raises(ValueError, match="need stale_after_s > 0 and an integer probe_every >= 1"):
+        RouterConfig(**fields)
 
 
 def test_router_keeps_a_preferred_replica_while_it_is_allowed():

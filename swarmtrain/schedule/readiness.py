@@ -78,6 +78,7 @@ class ReadinessEstimator:
         self.tasks_run = 0
         """Tasks finished."""
         self._average: dict[str, float] = {}
+        self._runs: dict[str, int] = {}
         self._best_service_s = 0.0
         self._running: tuple[str, float] | None = None  # (kind, started at)
         self._last_done = now
@@ -101,12 +102,16 @@ class ReadinessEstimator:
 
     def finished(self, elapsed_s: float, now: float) -> None:
         """The running task ended at `now` after `elapsed_s` seconds of compute; fold it into its
-        kind's average (its first run sets the average)."""
+        kind's average. The first run of a kind sets the average and the second replaces it: a
+        process's first task is cold (allocations, kernel choices, caches), often many times
+        slower than the rest, and averaging it in would keep routers away for several tasks."""
         assert self._running is not None, "no task is running"
         kind, _ = self._running
         old = self._average.get(kind)
+        runs = self._runs.get(kind, 0)
         alpha = self.config.service_alpha
-        self._average[kind] = elapsed_s if old is None else old + alpha * (elapsed_s - old)
+        self._average[kind] = elapsed_s if runs < 2 else old + alpha * (elapsed_s - old)
+        self._runs[kind] = runs + 1
         self.busy_s += elapsed_s
         self.tasks_run += 1
         self._running = None

@@ -8,8 +8,9 @@ stage. `ReadinessRouter` picks the replica with the lowest expected completion t
     + bytes to send / bandwidth to it
 
 from the readiness every reply piggybacks, refreshed from the DHT between replies. A replica
-we have sent nothing for a while is probed with the next microbatch, so a peer that was slow
-and recovered gets its share back. `RoundRobinRouter` is the static
+we have sent nothing for a while (in seconds, or in microbatches routed elsewhere) is probed
+with the next microbatch, so a peer that was slow, or whose first microbatches were cold or
+caught a hiccup of its machine, gets its share back. `RoundRobinRouter` is the static
 baseline: replica `order mod R` in peer-id order (`schedule.static`).
 
 Failures ban a peer with capped exponential backoff (`Bans`; hivemind's Blacklist without
@@ -91,6 +92,8 @@ class ReplicaView:
     reported_at: float = -math.inf
     sent_since_report: int = 0
     last_sent: float = -math.inf
+    passed_over: int = 0
+    """Microbatches routed to other replicas since this one was last chosen."""
     bandwidth_bytes_per_s: float | None = None
 
 
@@ -99,7 +102,20 @@ class RouterConfig:
     stale_after_s: float = 3.0
     """A replica we have sent nothing for this long gets the next microbatch as a probe: its
     service time is old news, and a peer that was slow and recovered is seen again."""
+    probe_every: int = 16
+    """A replica passed over for this many microbatches in a row, with nothing outstanding,
+    gets the next one as a probe: the same rule counted in work rather than seconds, so a fast
+    swarm (many microbatches a second) does not starve a replica for `stale_after_s` on one
+    slow measurement. At most one microbatch in `probe_every + 1` goes to a slow replica."""
     bans: BanConfig = field(default_factory=BanConfig)
+
+    def __post_init__(self):
+        if (
+            not self.stale_after_s > 0
+            or isinstance(self.probe_every, bool)
+            or not (isinstance(self.probe_every, int) and self.probe_every >= 1)
+        ):
+            raise ValueError(f"need stale_after_s > 0 and an integer probe_every >= 1, got {self}")
 
 
 class ReadinessRouter:
@@ -155,11 +171,19 @@ class ReadinessRouter:
         idle = [
             p
             for p in allowed
-            if now - self.view(p).last_sent > self.config.stale_after_s and not self.outstanding.get(p)
+            if not self.outstanding.get(p)
+            and (
+                now - self.view(p).last_sent > self.config.stale_after_s
+                or self.view(p).passed_over >= self.config.probe_every
+            )
         ]
+        chosen = best
         if idle and best not in idle:
-            return min(idle, key=lambda p: (self.view(p).last_sent, p))
-        return best
+            chosen = min(idle, key=lambda p: (self.view(p).last_sent, p))
+        for p in allowed:
+            v = self.view(p)
+            v.passed_over = 0 if p == chosen else v.passed_over + 1
+        return chosen
 
     def sent(self, peer: str, now: float) -> None:
         v = self.view(peer)
