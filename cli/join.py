@@ -171,14 +171,28 @@ def join(
     from swarmtrain.train.versions import VersionsConfig
     from swarmtrain.transport import TransportConfig
 
-    held: list[dict] = []
+    held: list[NodeConfig] = []
 
-    def trust() -> dict:
-        """The trust flags' node settings, once per process: an auto peer keeps one identity
-        (its default key, or --identity) in every role it takes."""
+    def node() -> NodeConfig:
+        """The swarm flags as a NodeConfig, made once per process: an auto peer keeps one
+        identity (its default key, or --identity) in every role it takes."""
         if not held:
-            held.append(trust_settings("stage", identity, swarm_key, run_owner))
+            held.append(
+                NodeConfig(
+                    initial_peers=tuple(initial_peers),
+                    host=host,
+                    port=port,
+                    announce_host=announce_host,
+                    **trust_settings("stage", identity, swarm_key, run_owner),
+                )
+            )
         return held[0]
+
+    def transport() -> TransportConfig:
+        """The frame flags, which every role's streams honour."""
+        return TransportConfig(
+            max_frame_bytes=int(max_frame_mb * 2**20), max_strikes=max_strikes, read_timeout_s=read_timeout
+        )
 
     def main() -> None:
         if role not in ("stage", "rollout", "auto"):
@@ -215,22 +229,12 @@ def join(
 
     def _stage_config():
         return StageConfig(
-            node=NodeConfig(
-                initial_peers=tuple(initial_peers),
-                host=host,
-                port=port,
-                announce_host=announce_host,
-                **trust(),
-            ),
+            node=node(),
             run_id=run_id,
             stage=stage,
             device=resolve_device(gpu),
             num_threads=threads,
-            transport=TransportConfig(
-                max_frame_bytes=int(max_frame_mb * 2**20),
-                max_strikes=max_strikes,
-                read_timeout_s=read_timeout,
-            ),
+            transport=transport(),
             slowdown=slowdown,
             rebalance_s=rebalance_every,
             max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
@@ -249,17 +253,12 @@ def join(
 
         check_mode(quantize)
         return RolloutConfig(
-            node=NodeConfig(
-                initial_peers=tuple(initial_peers),
-                host=host,
-                port=port,
-                announce_host=announce_host,
-                **trust(),
-            ),
+            node=node(),
             run_id=run_id,
             device=resolve_device(gpu),
             num_threads=threads,
             models=ModelSources(allow=tuple(allow_model or ())),
+            transport=transport(),
             quantize=quantize,
             slowdown=slowdown if sample_slowdown is None else sample_slowdown,
             max_memory_bytes=None if max_memory is None else parse_bytes(max_memory),
