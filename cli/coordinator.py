@@ -61,6 +61,24 @@ def coordinator(
             show_default="an even split",
         ),
     ] = None,
+    min_peers: Annotated[
+        int,
+        typer.Option(
+            help="Plan the stage bounds from the stage peers that come: wait until this many have joined "
+            "and measured themselves (or --plan-wait), then size each stage to its peers; trainers wait "
+            "for the plan. 0: publish the stages at once.",
+            min=0,
+        ),
+    ] = 0,
+    plan_wait: Annotated[
+        float,
+        typer.Option(
+            help="With --min-peers: seconds after which the stages are planned with the peers there are "
+            "(at least one per stage).",
+            min=0,
+            max=86399,
+        ),
+    ] = 60.0,
     optimizer: Annotated[str, typer.Option(help="Optimizer every stage runs: adamw or sgd.")] = "adamw",
     lr: Annotated[float, typer.Option(help="Learning rate, > 0.")] = 3e-3,
     weight_decay: Annotated[
@@ -297,6 +315,7 @@ def coordinator(
     from swarmtrain.peers.coordinator import Coordinator, CoordinatorConfig
     from swarmtrain.peers.dashboard.config import DashboardConfig
     from swarmtrain.swarm import NodeConfig
+    from swarmtrain.train.layout import FirstLayoutConfig
     from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
     from swarmtrain.wire.rl_config import RLConfig
 
@@ -327,6 +346,7 @@ def coordinator(
             model_config=parse_model_config(model_config),
             num_stages=stages,
             stage_bounds=parse_stage_bounds(stage_bounds),
+            first_layout=FirstLayoutConfig(min_peers=min_peers, plan_wait_s=plan_wait) if min_peers else None,
             optimizer=OptimizerConfig(
                 name=optimizer,
                 lr=lr,
@@ -378,9 +398,14 @@ def coordinator(
             m = coord.manifest
             if coord.joined_existing:
                 typer.echo(f"run {m.run_id!r} runs in this swarm already: serving its manifest as it is")
-            typer.echo(
-                f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages {list(m.stage_bounds)}"
-            )
+            if m.layout_version == 0:
+                typer.echo(
+                    f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages, layout {m.layout_note}"
+                )
+            else:
+                typer.echo(
+                    f"run {m.run_id!r}: {m.model}, {m.num_blocks} blocks in {m.num_stages} stages {list(m.stage_bounds)}"
+                )
             if m.compression.is_enabled:
                 typer.echo(f"compression: {m.compression.describe()}")
             if m.loss is not None:

@@ -79,7 +79,7 @@ class AutoPeer:
         node = SwarmNode(self.stage_config.node)
         try:
             manifest = node.require_manifest(self.stage_config.run_id)
-            if manifest.rl is None:
+            if manifest.rl is None or manifest.layout_version == 0:  # pending: a candidate for a stage
                 return "stage", {}
             cfg = self.stage_config
             measured = capacity(

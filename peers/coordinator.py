@@ -25,6 +25,7 @@ import logging
 import random
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from swarmtrain.peers.dashboard.config import DashboardConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.train.archive import RUN_FORMAT, read_meta
 from swarmtrain.train.authority import committed_step, read_points
+from swarmtrain.train.layout import FirstLayoutConfig, candidates, first_layout, layout_due, pending_note
 from swarmtrain.train.run_length import run_is_over
 from swarmtrain.wire.keys import MANIFEST_TTL_S
 from swarmtrain.wire.records import (
@@ -107,6 +109,10 @@ class CoordinatorConfig:
     (`peers/archivist.py`); None: no archivist."""
     republish_s: float = 10.0
     """Seconds between republications of the manifest."""
+    first_layout: FirstLayoutConfig | None = None
+    """Plan the stage bounds from the stage peers that come (`--min-peers`, `--plan-wait`;
+    `swarmtrain.train.layout`) instead of publishing them before any peer has joined; None:
+    `stage_bounds`, or an even split, from the start."""
     dashboard: DashboardConfig | None = None
     """Serve the swarm dashboard from this process; None: no dashboard."""
 
@@ -118,6 +124,11 @@ class CoordinatorConfig:
             check_loss_name(self.loss)
         if self.republish_s <= 0:
             raise ConfigError(f"republish_s must be > 0, got {self.republish_s}")
+        if self.first_layout is not None and (self.stage_bounds is not None or self.resume):
+            raise ConfigError(
+                "--min-peers plans the stage bounds from the peers that come: leave out --stage-bounds "
+                "(and --resume, whose run keeps its checkpoint's layout)"
+            )
 
 
 def _check_rl(rl: RLConfig, loss: str | None, seq_len: int) -> None:
@@ -170,6 +181,11 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         instance=secrets.token_hex(6),
         allow_reinit=config.allow_reinit,
         restore_lost_stage_only=config.restore_lost_stage_only,
+        **(
+            {"layout_version": 0, "layout_note": pending_note(config.first_layout)}
+            if config.first_layout is not None
+            else {}
+        ),
     )
 
 
@@ -231,6 +247,7 @@ class Coordinator:
 
             self.archivist = Archivist(self.node, self.manifest, config.checkpoint_dir)
         self._closed = threading.Event()
+        self._started = time.monotonic()
         self.progress = 0
         """One past the furthest step an authorized trainer reported committed, as last seen."""
         self.finished = False
@@ -276,7 +293,23 @@ class Coordinator:
         """The multiaddr to pass other peers as --initial-peers."""
         return self.addresses[0]
 
+    @property
+    def layout_pending(self) -> bool:
+        return self.manifest.layout_version == 0
+
+    def _plan_first_layout(self) -> None:
+        """Plan the run's first layout from the candidates there, once it is due (`layout_due`)."""
+        config, m = self.config.first_layout, self.manifest
+        records = self.node.peers(m.run_id)
+        waiting = candidates(records)
+        if not layout_due(config, len(waiting), time.monotonic() - self._started, m.num_stages):
+            return
+        self.manifest = first_layout(m, records)
+        logger.info("run %r: first layout: %s", m.run_id, self.manifest.layout_note)
+
     def _publish(self) -> None:
+        if self.is_owner and self.layout_pending and self.config.first_layout is not None:
+            self._plan_first_layout()
         m = self.manifest
         if self.is_owner:
             self.node.publish_manifest(m, ttl_s=MANIFEST_TTL_S)
@@ -301,7 +334,10 @@ class Coordinator:
         self.node.announce(m.run_id, record, ttl_s=3 * self.config.republish_s)
 
     def _republish(self) -> None:
-        while not self._closed.wait(self.config.republish_s):
+        # while the first layout is pending, look for candidates every second
+        while not self._closed.wait(
+            min(1.0, self.config.republish_s) if self.layout_pending else self.config.republish_s
+        ):
             try:
                 self._publish()
             except Exception as e:  # a DHT hiccup must not end the coordinator

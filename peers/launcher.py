@@ -34,7 +34,14 @@ class LocalSwarmConfig:
     stage_bounds: tuple[int, ...] | None = None
     """Explicit (unequal) stage boundaries; None splits the blocks evenly into num_stages."""
     stage_args: dict = field(default_factory=dict)
-    """Extra `swarmtrain join` flags for the first peer of a stage, e.g. {2: ("--slowdown", "4")}."""
+    """Extra `swarmtrain join` flags for the first peer of a stage, e.g. {2: ("--slowdown", "4")};
+    with `min_peers`, for the k-th stage peer started."""
+    min_peers: int = 0
+    """Plan the stage bounds from the stage peers that come (the coordinator's --min-peers): this
+    many stage peers start without a stage, and the coordinator sizes the stages to them once
+    they have measured themselves. 0: the stages are set from the start, one peer each."""
+    plan_wait_s: float = 60.0
+    """With `min_peers`: the coordinator's --plan-wait."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     seed: int = 0
@@ -210,6 +217,7 @@ class LocalSwarm:
                 "--model-config", json.dumps(cfg.model_config),
                 "--stages", str(cfg.num_stages),
                 *_optional("--stage-bounds", ",".join(map(str, cfg.stage_bounds)) if cfg.stage_bounds else None),
+                *(["--min-peers", str(cfg.min_peers), "--plan-wait", str(cfg.plan_wait_s)] if cfg.min_peers else []),
                 "--optimizer", cfg.optimizer.name,
                 "--lr", str(cfg.optimizer.lr),
                 "--weight-decay", str(cfg.optimizer.weight_decay),
@@ -249,11 +257,16 @@ class LocalSwarm:
             ),
             None,
         )
-        num_stages = self.num_stages
-        names = [
-            self.spawn_stage(k, extra_args=tuple(cfg.stage_args.get(k, ())), wait=False)
-            for k in range(num_stages)
-        ]
+        if cfg.min_peers:  # the coordinator gives each its stage once they have all measured themselves
+            names = [
+                self.spawn_stage(None, extra_args=tuple(cfg.stage_args.get(k, ())), wait=False)
+                for k in range(cfg.min_peers)
+            ]
+        else:
+            names = [
+                self.spawn_stage(k, extra_args=tuple(cfg.stage_args.get(k, ())), wait=False)
+                for k in range(self.num_stages)
+            ]
         names += [self.spawn_rollout(wait=False) for _ in range(cfg.rollout_peers)]
         for name in names:
             self.wait_ready(name)

@@ -39,6 +39,7 @@ from swarmtrain.rl.verify import lie_about_logprobs
 from swarmtrain.rl.weights import FetchConfig, fetch_version, latest_version, swarm_source
 from swarmtrain.rl.worker import RolloutWorker
 from swarmtrain.swarm import NodeConfig, SwarmNode
+from swarmtrain.train.layout import wait_for_layout
 from swarmtrain.transport import TensorTransport, TransportConfig, handler_name
 from swarmtrain.wire.records import PeerRecord
 
@@ -102,6 +103,14 @@ class RolloutPeer:
             torch.set_num_threads(config.num_threads)
         self.node = SwarmNode(config.node)
         self.manifest = m = self.node.require_manifest(config.run_id)
+        if m.layout_version == 0:  # its stages are planned from the peers that come: wait for them
+            try:
+                self.manifest = m = wait_for_layout(
+                    lambda: self.node.get_manifest(m.run_id), m, who="this rollout peer"
+                )
+            except BaseException:
+                self.node.shutdown()
+                raise
         if m.rl is None:
             self.node.shutdown()
             raise ConfigError(

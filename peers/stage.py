@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import time
 from functools import partial
@@ -150,6 +151,10 @@ class StagePeer:
             )
         )
         self.capacity.update(cfg.announce)
+        if manifest.layout_version == 0:  # the coordinator plans the stages from the peers that come
+            self.manifest = manifest = await self._await_first_layout(manifest)
+            if manifest.layout_version == 0:
+                return  # stopped while waiting
         self._memory = await self._loop.run_in_executor(None, stage_memory_figures, manifest)
         fits = [True] * manifest.num_stages
         if cfg.max_memory_bytes is not None:
@@ -160,7 +165,10 @@ class StagePeer:
                     f"stage {cfg.stage} needs about {needs[cfg.stage] / 2**20:.1f} MiB, more than --max-memory "
                     f"{cfg.max_memory_bytes / 2**20:.1f} MiB: pick another --stage or raise --max-memory"
                 )
-        if cfg.stage is None:
+        planned = manifest.assignments.get(self.peer_id)
+        if cfg.stage is None and planned is not None and fits[planned]:
+            self.stage = planned  # the layout was planned with this peer on it
+        elif cfg.stage is None:
             records = await node.peers_async(manifest.run_id)
             self.stage = choose_stage(manifest, records, fits, self.capacity, peer_id=self.peer_id)
         else:
@@ -208,6 +216,35 @@ class StagePeer:
             if task is not None:
                 task.cancel()
         await asyncio.gather(beats, *([self._beat_soon] if self._beat_soon else []), return_exceptions=True)
+
+    async def _await_first_layout(self, manifest: RunManifest) -> RunManifest:
+        """Announce this peer, measured, as a candidate of the run's first layout and wait until
+        the coordinator publishes it (`swarmtrain.train.layout`); the manifest that has it, or
+        the pending one if the peer was stopped first."""
+        record = PeerRecord(
+            peer_id=self.peer_id,
+            role="candidate",
+            state="joining",
+            device=device_label(self.config.device),
+            version=swarmtrain.__version__,
+            capacity=self.capacity,
+        )
+        ttl, announced, logged = self.config.ttl_s, -math.inf, -math.inf
+        while manifest.layout_version == 0 and not self._stop.is_set():
+            now = time.monotonic()
+            if now - announced >= self.config.heartbeat_s:
+                await self.node.announce_async(manifest.run_id, record, ttl_s=ttl)
+                announced = now
+            if now - logged >= 10.0:
+                logger.info("waiting for run %s's first layout: %s", manifest.run_id, manifest.layout_note)
+                logged = now
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=0.5)
+            read = await self._loop.run_in_executor(None, self.node.get_manifest, manifest.run_id)
+            manifest = read or manifest
+        if manifest.layout_version:
+            logger.info("run %s's first layout: %s", manifest.run_id, manifest.layout_note)
+        return manifest
 
     def _take_stage(self, stage: int) -> None:
         """Build `stage`'s blocks (from the run seed), its optimizer and its compute queue."""

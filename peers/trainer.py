@@ -41,6 +41,7 @@ from swarmtrain.schedule import InFlightWindow, ReadinessRouter, RoundRobinRoute
 from swarmtrain.swarm import SwarmNode, stage_replicas
 from swarmtrain.train.authority import claim_limit, committed_step, read_points
 from swarmtrain.train.data import loss_inputs_of
+from swarmtrain.train.layout import wait_for_layout
 from swarmtrain.train.rollback import RollbackNeeded, RollbackPlan, plan_rollback
 from swarmtrain.train.run_length import (
     RunFinishedError,
@@ -103,6 +104,10 @@ class Trainer:
         self.node = SwarmNode(config.node)
         try:
             self.manifest: RunManifest = self.node.require_manifest(config.run_id)
+            if self.manifest.layout_version == 0:  # trainers wait for the stages the peers that come make
+                self.manifest = wait_for_layout(
+                    lambda: self.node.get_manifest(self.manifest.run_id), self.manifest, who="this trainer"
+                )
             check_authorized(self.manifest, self.node.peer_id)
             self.shard = shard_of(config, self.manifest, self.node.peer_id)
             self.transport = self._run(self._make_transport())

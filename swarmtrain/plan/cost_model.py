@@ -117,6 +117,10 @@ class PlanConfig:
     """Tokens whose activations a stage holds at once: microbatch tokens x in-flight microbatches."""
     max_stages: int | None = None
     """Most pipeline stages a plan may have; None: as many as there are blocks (and peers)."""
+    min_stages: int = 1
+    """Fewest pipeline stages a plan may have (while there are that many blocks and peers; with
+    fewer, as many as there are). `min_stages == max_stages` fixes the count: the run's first
+    layout keeps the stages its coordinator was given and plans where they cut."""
     memory_headroom: float = 0.1
     """Fraction of each peer's memory kept free (allocator slack, temporary buffers)."""
     max_rounds: int = 6
@@ -144,6 +148,12 @@ class PlanConfig:
         if self.max_stages is not None and (not isinstance(self.max_stages, int) or self.max_stages < 1):
             raise ConfigError(
                 f"PlanConfig: max_stages must be None or an integer >= 1, got {self.max_stages!r}"
+            )
+        if isinstance(self.min_stages, bool) or not isinstance(self.min_stages, int) or self.min_stages < 1:
+            raise ConfigError(f"PlanConfig: min_stages must be an integer >= 1, got {self.min_stages!r}")
+        if self.max_stages is not None and self.min_stages > self.max_stages:
+            raise ConfigError(
+                f"PlanConfig: min_stages ({self.min_stages}) must not exceed max_stages ({self.max_stages})"
             )
         _check_number("PlanConfig", "memory_headroom", self.memory_headroom)
         if self.memory_headroom >= 1:

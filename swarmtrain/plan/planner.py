@@ -187,7 +187,7 @@ def _stage_counts(num_blocks: int, num_peers: int, config: PlanConfig) -> range:
     cap = min(num_blocks, max(num_peers, 1))
     if config.max_stages is not None:
         cap = min(cap, config.max_stages)
-    return range(1, cap + 1)
+    return range(min(config.min_stages, cap), cap + 1)
 
 
 def _cannot_beat(problem: Problem, count: int, floor: float) -> bool:

@@ -22,7 +22,7 @@ from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the record
     _from_dict,
 )
 
-WIRE_VERSION = 12
+WIRE_VERSION = 13
 """12: trainer points carry an RL step's figures (`metrics.RLPoint`), rollout peer records their
 quantization (`PeerRecord.quantize`), trainer records the rollout peers they ban.
 9: RL runs (the manifest's rl, rollout peers and their requests).
@@ -33,7 +33,10 @@ quantization (`PeerRecord.quantize`), trainer records the rollout peers they ban
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LOSS_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 """What a registered loss name looks like (swarmtrain.model.losses checks names against it too)."""
-PEER_ROLES = ("coordinator", "stage", "trainer", "rollout")
+PEER_ROLES = ("coordinator", "stage", "trainer", "rollout", "candidate")
+"""'candidate': a stage peer that measured itself and waits for its run's first layout (a run
+whose coordinator plans the stage bounds from the peers that come: `RunManifest.layout_version`
+0); it serves no stage yet (stage -1)."""
 SCHEDULES = ("readiness", "static")
 """How stage peers order their work and route microbatches (see swarmtrain/schedule)."""
 PEER_STATES = ("joining", "serving", "draining", "lost", "finished")
@@ -43,6 +46,9 @@ it leaves), or the coordinator of a run whose last step was committed (swarmtrai
 PEER_ID_PATTERN = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
 """A libp2p peer id as libp2p prints it: base58btc, e.g. 12D3KooW... or Qm..."""
 MAX_TRAINERS = 64
+MAX_ASSIGNMENTS = 512
+"""Most peers a manifest's layout names (`RunManifest.assignments`)."""
+MAX_LAYOUT_NOTE = 300
 """Trainers a manifest may authorize."""
 MAX_WEIGHT_READERS = 256
 """Peers a manifest may list as weight readers."""
@@ -155,10 +161,25 @@ class RunManifest:
     rl: RLConfig | None = None
     """An RL run's task and sampling (`swarmtrain.wire.rl_config`): rollout peers make its data;
     None: the trainers feed data of their own."""
+    layout_version: int = 1
+    """Version of the run's layout (its `stage_bounds`, and `assignments`). 0: pending, the
+    bounds are a placeholder: stage peers announce themselves as candidates and wait, and the
+    coordinator plans the bounds from their measured capacity (`--min-peers`, `--plan-wait`),
+    then publishes version 1 (`swarmtrain.train.layout`). Trainers wait for it too."""
+    layout_note: str = ""
+    """Why the layout is what it is, for people: e.g. 'planned from 5 peers: ...'."""
+    assignments: dict[str, int] = field(default_factory=dict)
+    """The stage the layout gives each peer it was planned from (peer id -> stage); a peer
+    without a --stage of its own takes it."""
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self):
         check_run_id(self.run_id)
+        version = self.layout_version
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**31:
+            raise ConfigError(f"manifest: layout_version must be an integer >= 0, got {version!r}")
+        if not isinstance(self.layout_note, str) or len(self.layout_note) > MAX_LAYOUT_NOTE:
+            raise ConfigError(f"manifest: layout_note must be text of at most {MAX_LAYOUT_NOTE} characters")
         if self.init_from is not None and (
             not isinstance(self.init_from, str) or not 0 < len(self.init_from) <= 4096
         ):
@@ -247,6 +268,24 @@ class RunManifest:
             if self.loss is None:
                 raise ConfigError("manifest: an RL run must name its GRPO loss (--loss grpo)")
             self.rl.prompts_per_step(self.batch.microbatch_size * self.batch.microbatches_per_step)
+        assignments = self.assignments
+        if (
+            not isinstance(assignments, dict)
+            or len(assignments) > MAX_ASSIGNMENTS
+            or not all(
+                isinstance(p, str)
+                and PEER_ID_PATTERN.match(p)
+                and isinstance(k, int)
+                and not isinstance(k, bool)
+                and 0 <= k < self.num_stages
+                for p, k in assignments.items()
+            )
+        ):
+            raise ConfigError(
+                f"manifest: assignments must map at most {MAX_ASSIGNMENTS} peer ids to stages "
+                f"0..{self.num_stages - 1}, got {assignments!r:.200}"
+            )
+        object.__setattr__(self, "assignments", dict(sorted(assignments.items())))
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"unknown schedule {self.schedule!r}: choose {' or '.join(map(repr, SCHEDULES))} (--schedule)"
@@ -299,6 +338,9 @@ class RunManifest:
             "init_from": self.init_from,
             "resume": self.resume,
             "rl": None if self.rl is None else self.rl.to_dict(),
+            "layout_version": self.layout_version,
+            "layout_note": self.layout_note,
+            "assignments": dict(self.assignments),
             "wire_version": self.wire_version,
         }
 
