@@ -393,6 +393,7 @@ def coordinator(
             else DashboardConfig(host=dashboard_host, port=dashboard_port),
         )
         coord = Coordinator(config)
+        coord.on_layout = typer.echo
         owner.remember_port(int(coord.address.split("/tcp/")[1].split("/")[0]))
         try:
             m = coord.manifest

@@ -214,7 +214,7 @@ def join(
             peer.on_serving = lambda: _write_atomic(ready_file, peer.node.peer_id)
         else:
             peer.on_serving = lambda: _announce_stage(peer)
-        peer.on_finished = typer.echo
+        peer.on_finished = peer.on_waiting = typer.echo
         peer.run()
 
     def _announce_stage(peer) -> None:
@@ -292,7 +292,7 @@ def join(
             else:
                 peer.on_serving = lambda: (_announce_stage if role == "stage" else _announce_rollout)(peer)
             if role == "stage":
-                peer.on_finished = typer.echo
+                peer.on_finished = peer.on_waiting = typer.echo
 
         auto.on_role = on_role
         auto.run()

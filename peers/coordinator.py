@@ -250,6 +250,8 @@ class Coordinator:
         self._started = time.monotonic()
         self.progress = 0
         """One past the furthest step an authorized trainer reported committed, as last seen."""
+        self.on_layout = lambda message: logger.info("%s", message)
+        """Called with a line for people when this coordinator plans its run's first layout."""
         self.finished = False
         """The run's last step was committed (`run_length.run_is_over`); announced in the record."""
         self._publish()
@@ -305,7 +307,7 @@ class Coordinator:
         if not layout_due(config, len(waiting), time.monotonic() - self._started, m.num_stages):
             return
         self.manifest = first_layout(m, records)
-        logger.info("run %r: first layout: %s", m.run_id, self.manifest.layout_note)
+        self.on_layout(f"run {m.run_id!r}: layout 1: {self.manifest.layout_note}")
 
     def _publish(self) -> None:
         if self.is_owner and self.layout_pending and self.config.first_layout is not None:

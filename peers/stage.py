@@ -101,6 +101,8 @@ class StagePeer:
         self._faults = FaultInjector(config.fault)
         self.on_serving = lambda: None
         """Called once the peer is announced and takes requests (serving or standing by)."""
+        self.on_waiting = lambda message: logger.info("%s", message)
+        """Called with a line for people while the peer waits for its run's first layout."""
         self.on_finished = lambda message: logger.info("%s", message)
         """Called with a line for people once the peer applied the run's last step, as it leaves."""
 
@@ -235,8 +237,14 @@ class StagePeer:
             if now - announced >= self.config.heartbeat_s:
                 await self.node.announce_async(manifest.run_id, record, ttl_s=ttl)
                 announced = now
-            if now - logged >= 10.0:
-                logger.info("waiting for run %s's first layout: %s", manifest.run_id, manifest.layout_note)
+            if now - logged >= 15.0:
+                records = await self.node.peers_async(manifest.run_id)
+                waiting = sum(r.role == "candidate" for r in records)
+                self.on_waiting(
+                    f"waiting for the first layout of run {manifest.run_id!r} ({waiting} stage "
+                    f"peer{'' if waiting == 1 else 's'} announced): "
+                    f"{manifest.layout_note.removeprefix('pending: ')}"
+                )
                 logged = now
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=0.5)

@@ -381,6 +381,10 @@ def render_status(status: dict) -> Group:
             + (f" of {m['max_steps']}" if m["max_steps"] else "")
             + (" (finished)" if status["finished"] else "")
         )
+        if m.get("layout_version") == 0:
+            headline.append(f"\nlayout {m['layout_note']}")
+        elif m.get("layout_note"):
+            headline.append(f"\nlayout {m['layout_version']}: {m['layout_note']}")
         if m["compressed"]:
             headline.append(f"\ncompression: {CompressionConfig.from_dict(m['compression']).describe()}")
     parts = [headline]

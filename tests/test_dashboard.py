@@ -52,6 +52,25 @@ def test_first_poll_reports_joins_and_maps_stages_to_block_spans():
     assert list(view.peers_per_stage) == [(1, 1)]
 
 
+def test_a_planned_layout_is_an_event_and_part_of_the_manifest_summary():
+    pending = dataclasses.replace(
+        MANIFEST, layout_version=0, layout_note="pending: waiting for 3 stage peers"
+    )
+    view = SwarmView()
+    events = view.update([PeerRecord(peer_id=A, role="candidate", state="joining")], pending, now=100.0)
+    assert ("layout", "") in kinds(events) and "layout pending: waiting for 3" in events[0].text
+    assert view.stages()[0]["replicas"] == []  # a candidate serves no stage yet
+    planned = dataclasses.replace(
+        MANIFEST, stage_bounds=(0, 3, 4), layout_note="planned from 2 peers", assignments={A: 0, B: 1}
+    )
+    events = view.update([stage_peer(A, 0), stage_peer(B, 1)], planned, now=101.0)
+    layout = [e.text for e in events if e.kind == "layout"]
+    assert layout == ["layout 1: planned from 2 peers"]
+    summary = view.snapshot()["manifest"]
+    assert summary["layout_version"] == 1 and summary["layout_note"] == "planned from 2 peers"
+    assert view.update([stage_peer(A, 0), stage_peer(B, 1)], planned, now=102.0) == []  # said once
+
+
 def test_the_map_names_each_stages_codecs():
     m = dataclasses.replace(
         MANIFEST,

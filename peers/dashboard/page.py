@@ -65,7 +65,7 @@ PAGE = """<!doctype html>
   #events .kind { display: inline-block; min-width: 52px; font-weight: 600; color: var(--muted); }
   #events .join .kind, #events .step .kind { color: var(--serving); }
   #events .leave .kind, #events .ban .kind, #events .drop .kind { color: var(--banned); }
-  #events .replay .kind, #events .move .kind { color: var(--draining); }
+  #events .replay .kind, #events .move .kind, #events .layout .kind { color: var(--draining); }
   #events .rollback .kind { color: var(--lost); }
   #status.down { color: var(--banned); }
   #rl-figures { display: grid; grid-template-columns: repeat(auto-fill, minmax(118px, 1fr)); gap: 8px; margin-bottom: 8px; }
@@ -86,6 +86,7 @@ PAGE = """<!doctype html>
   <h1>swarmtrain</h1>
   <span class="meta" id="run">waiting for the run manifest&hellip;</span>
   <span class="meta" id="progress"></span>
+  <span class="meta" id="layout"></span>
   <span class="meta" id="status">connecting&hellip;</span>
 </header>
 <main>
@@ -247,6 +248,8 @@ function render(view) {
     `${m.num_blocks} blocks in ${m.num_stages} stages \\u00b7 ${view.peers.length} peers` +
     (m.loss ? ` \\u00b7 loss ${m.loss}` : "") +
     (m.max_steps ? ` \\u00b7 ${m.max_steps} steps planned` : "") : "waiting for the run manifest\\u2026";
+  document.getElementById("layout").textContent = !m ? "" : m.layout_version === 0 ?
+    `layout ${m.layout_note}` : `layout ${m.layout_version}` + (m.layout_note ? `: ${m.layout_note}` : "");
   const t = view.trainers[0], step = view.series.step;
   document.getElementById("progress").textContent = (step.length ? `step ${step[step.length - 1]}` : "") +
     (view.finished ? " \\u00b7 run finished" : "") +

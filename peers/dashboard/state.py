@@ -32,7 +32,7 @@ from swarmtrain.peers.dashboard.rl_view import finite, rl_dict, rl_series, rl_su
 from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
-EVENT_KINDS = ("join", "leave", "state", "move", "ban", "replay", "drop", "step")
+EVENT_KINDS = ("join", "leave", "state", "move", "ban", "replay", "drop", "step", "layout")
 DISPLAY_STATES = ("joining", "serving", "draining", "lost", "finished", "banned", "gone")
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,20 @@ class SwarmView:
         with self._lock:
             new: list[Event] = []
             if manifest is not None:
+                old = self.manifest
+                planned = (
+                    manifest.layout_version == 0 or manifest.layout_note
+                )  # else a layout set from the start
+                if (old is None and planned) or (
+                    old is not None and old.layout_version != manifest.layout_version
+                ):
+                    note, version = manifest.layout_note, manifest.layout_version
+                    text = (
+                        f"layout {note}"
+                        if version == 0
+                        else f"layout {version}" + (f": {note}" if note else "")
+                    )
+                    new.append(Event(t=now, kind="layout", peer_id="", text=text))
                 self.manifest = manifest
             seen = {r.peer_id: r for r in records}
             sent = raw = 0.0
@@ -383,6 +397,8 @@ class SwarmView:
             "num_blocks": m.num_blocks,
             "num_stages": m.num_stages,
             "stage_bounds": list(m.stage_bounds),
+            "layout_version": m.layout_version,
+            "layout_note": m.layout_note,
             "batch": m.batch.to_dict(),
             "optimizer": m.optimizer.to_dict(),
             "max_steps": m.max_steps,
