@@ -360,7 +360,24 @@ def prediction_line(status: dict) -> Text | None:
     )
     if measured:
         text += f"; the trainers measure {measured:.0f} ({p['predicted_tokens_per_s'] / measured:.2f}x)"
+    replan = status.get("replan")
+    if replan:
+        text += "\n" + replan_text(replan)
     return Text(text)
+
+
+def replan_text(replan: dict) -> str:
+    """One line on the layout the planner would give the serving peers now (`LayoutWatch`)."""
+    bounds = replan["stage_bounds"]
+    spans = ", ".join(f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:], strict=False))
+    gain = replan["gain"]
+    gain_text = "from a stalled layout" if gain == float("inf") else f"{gain:+.0%}"
+    held = f"held {replan['streak']} of {replan['patience']} polls" if replan["streak"] else "under the move threshold"
+    return (
+        f"re-plan: these peers would get blocks {spans} ({len(replan['assignments'])} serving), "
+        f"{replan['planned_tokens_per_s']:.0f} tokens/s predicted ({gain_text}, {held}); "
+        "a running swarm does not move to it yet"
+    )
 
 
 def render_status(status: dict) -> Group:

@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.peers.dashboard.layout_view import LayoutWatch
 from swarmtrain.peers.dashboard.rl_view import finite, rl_dict, rl_series, rl_summary
 from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest
@@ -157,6 +158,9 @@ class SwarmView:
         self.prediction: dict | None = None
         """The latest `layout_prediction`."""
         self._costs: tuple[RunManifest, list] | None = None  # the manifest's traced block costs
+        self.replan: dict | None = None
+        """The layout the planner would give the serving peers now, against theirs (`LayoutWatch`)."""
+        self._layout_watch = LayoutWatch()
         self.peer_series: dict[str, deque[PeerPoint]] = {}
         self.trainer_series: dict[str, deque[TrainerPoint]] = {}
         self._max_step = -1
@@ -218,6 +222,11 @@ class SwarmView:
             self.bytes_sent_per_s.append(sent)
             self.raw_bytes_sent_per_s.append(raw)
             self.prediction = self._predict()
+            self.replan = None
+            if self.prediction is not None:  # every stage served, and a cost model
+                self.replan = self._layout_watch.observe(
+                    self.manifest, list(self.peers.values()), self._costs[1]
+                )
             self.predicted_tokens_per_s.append(
                 None if self.prediction is None else self.prediction["predicted_tokens_per_s"]
             )
@@ -493,6 +502,7 @@ class SwarmView:
                 "finished": self._finished(),
                 "rl": self._rl(),
                 "prediction": self.prediction,
+                "replan": self.replan,
             }
             if with_history:
                 out["series"] = self._series()

@@ -5,6 +5,8 @@
 - `join`: `join_stage` (the planner's choice for a joining peer) and `serving_stage` (a peer
   that must serve a stage: an empty one first, `join_stage`'s next, the slowest per replica last)
 - `rebalance`: `best_move`, `should_move` and the `Rebalancer` hysteresis
+- `layout`: `propose_layout` (a re-planned layout for the peers there, against the live one)
+  and the `LayoutGate` hysteresis over proposals
 - `rl`: RL runs: `split_rl` (stages on the peers best at training, rollouts on the rest, so
   sampling keeps up with training), `join_role`, `best_role_move` and `RoleRebalancer`
 
@@ -20,6 +22,7 @@ from swarmtrain.plan.cost_model import (
     usable_memory,
 )
 from swarmtrain.plan.join import join_stage, serving_stage
+from swarmtrain.plan.layout import LayoutGate, LayoutProposal, ReplanConfig, propose_layout
 from swarmtrain.plan.planner import Plan, PlanEvaluation, evaluate, even_split_plan, plan_swarm
 from swarmtrain.plan.rebalance import MoveCandidate, RebalanceConfig, Rebalancer, best_move, should_move
 from swarmtrain.plan.rl import (
@@ -33,6 +36,10 @@ from swarmtrain.plan.rl import (
 )
 
 __all__ = [
+    "LayoutGate",
+    "LayoutProposal",
+    "ReplanConfig",
+    "propose_layout",
     "BlockCost",
     "CostModel",
     "MoveCandidate",

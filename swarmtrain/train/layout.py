@@ -13,6 +13,12 @@ as they would any other (`placement.choose_stage`).
 
 `first_layout` and `layout_due` are deterministic functions of the records and the clock
 reading they are given: any peer that read the same records would plan the same layout.
+
+Later, `replan_proposal` asks the same planner what layout the serving peers would get now,
+against the one they have (`swarmtrain.plan.layout`: a proposal, and the hysteresis a move
+would need); the dashboard and `status` show it. Moving a running swarm to it (blocks
+changing hands at a step boundary) is not built yet: the layout stays as first planned, and
+peers still move one at a time between its stages (`placement.StageRebalancer`).
 """
 
 from __future__ import annotations
@@ -23,8 +29,15 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.plan import BlockCost, even_split_plan, plan_swarm
-from swarmtrain.train.placement import capacity_of, manifest_costs, manifest_plan_config
+from swarmtrain.plan import BlockCost, LayoutProposal, even_split_plan, plan_swarm, propose_layout
+from swarmtrain.train.placement import (
+    capacity_of,
+    layout_plan,
+    live_capacities,
+    live_stage_peers,
+    manifest_costs,
+    manifest_plan_config,
+)
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -137,3 +150,20 @@ def wait_for_layout(
         time.sleep(poll_s)
         manifest = read() or manifest
     return manifest
+
+
+def replan_proposal(
+    manifest: RunManifest, records: Iterable[PeerRecord], costs: Sequence[BlockCost] | None = None
+) -> LayoutProposal | None:
+    """The planner's layout for the run's serving stage peers (their measured speeds, as
+    `placement.live_capacities`), with the run's stage count, against the layout they serve;
+    None when it would keep that layout, or while a stage has no serving replica."""
+    live = live_stage_peers(manifest, records)
+    if {r.stage for r in live} != set(range(manifest.num_stages)):
+        return None
+    costs = list(costs) if costs is not None else manifest_costs(manifest)
+    try:
+        peers = live_capacities(manifest, live, costs)
+    except (TypeError, ValueError):  # a capacity that does not parse
+        return None
+    return propose_layout(costs, peers, manifest_plan_config(manifest), layout_plan(manifest, live))

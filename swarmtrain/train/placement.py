@@ -118,6 +118,34 @@ def layout_plan(manifest: RunManifest, records: Iterable[PeerRecord]) -> Plan:
     )
 
 
+def live_stage_peers(manifest: RunManifest, records: Iterable[PeerRecord]) -> list[PeerRecord]:
+    """The serving stage peers of `records` on stages the manifest has."""
+    return [
+        r
+        for r in records
+        if r.role == "stage" and 0 <= r.stage < manifest.num_stages and r.state == "serving"
+    ]
+
+
+def live_capacities(
+    manifest: RunManifest, live: Iterable[PeerRecord], costs: Sequence[BlockCost]
+) -> list[PeerCapacity]:
+    """The planner's view of serving stage peers: a replica that served at its measured compute
+    seconds per microbatch (`service_s`, as the FLOP/s at which its stage's FLOPs take that
+    long), one that did not yet at its announced capacity (`capacity_of`). ValueError or
+    TypeError for a capacity that does not parse."""
+    tokens = sample_positions(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
+    peers = []
+    for r in live:
+        cap = capacity_of(r)
+        if r.service_s > 0:  # flops/s at which the stage's FLOPs take the measured seconds
+            start, end = manifest.stage_span(r.stage)
+            flops = tokens * sum(c.flops_per_token for c in costs[start:end])
+            cap = dataclasses.replace(cap, flops_per_s=flops / r.service_s)
+        peers.append(cap)
+    return peers
+
+
 def layout_prediction(
     manifest: RunManifest, records: Iterable[PeerRecord], costs: Sequence[BlockCost] | None = None
 ) -> dict | None:
@@ -131,24 +159,13 @@ def layout_prediction(
     model at join (`calibrated_peers`), else its matmul probe's, which small kernels do not
     reach. `measured_peers` counts the first kind, `stage_peers` all. None while a stage has no
     serving replica. `costs`: `manifest_costs(manifest)`, if the caller keeps it."""
-    live = [
-        r
-        for r in records
-        if r.role == "stage" and 0 <= r.stage < manifest.num_stages and r.state == "serving"
-    ]
+    live = live_stage_peers(manifest, records)
     if {r.stage for r in live} != set(range(manifest.num_stages)):
         return None
     costs = manifest_costs(manifest) if costs is None else costs
     tokens = sample_positions(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
     try:
-        peers = []
-        for r in live:
-            cap = capacity_of(r)
-            if r.service_s > 0:  # flops/s at which the stage's FLOPs take the measured seconds
-                start, end = manifest.stage_span(r.stage)
-                flops = tokens * sum(c.flops_per_token for c in costs[start:end])
-                cap = dataclasses.replace(cap, flops_per_s=flops / r.service_s)
-            peers.append(cap)
+        peers = live_capacities(manifest, live, costs)
         evaluation = evaluate(layout_plan(manifest, live), costs, peers, manifest_plan_config(manifest))
     except (ConfigError, TypeError, ValueError):  # a capacity that does not parse
         return None
