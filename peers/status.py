@@ -372,7 +372,11 @@ def replan_text(replan: dict) -> str:
     spans = ", ".join(f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:], strict=False))
     gain = replan["gain"]
     gain_text = "from a stalled layout" if gain == float("inf") else f"{gain:+.0%}"
-    held = f"held {replan['streak']} of {replan['patience']} polls" if replan["streak"] else "under the move threshold"
+    held = (
+        f"held {replan['streak']} of {replan['patience']} polls"
+        if replan["streak"]
+        else "under the move threshold"
+    )
     return (
         f"re-plan: these peers would get blocks {spans} ({len(replan['assignments'])} serving), "
         f"{replan['planned_tokens_per_s']:.0f} tokens/s predicted ({gain_text}, {held}); "
