@@ -1,11 +1,21 @@
 """Planned layout against an even split on the same heterogeneous peers, on loopback.
 
     python benchmarks/elastic.py [--steps 12] [--slowdowns 1,1,4,4]
+    python benchmarks/elastic.py --joins [--steps 12] [--slowdowns 1,1,2,4,4,1] [--small-memory-peer 6]
 
 Starts a real swarm (coordinator and stage peers as processes, emulated speeds with
 --slowdown) twice in one run: once with the blocks split evenly over one peer per stage,
 once with the stages and replicas the planner chooses from the peers' capacities. Prints
 JSON: tokens/s of each (median over steps, after warm-up) and their ratio.
+
+`--joins`: the peers join one after another, as they would a real run, through the real
+first-layout path (`coordinator --min-peers`): (b) the coordinator's even split kept fixed,
+the peers choosing stages by the join rule; (c) the layout planned from the first three peers
+(`--min-peers 3`), the later ones joining it; (d) the layout planned once all have come
+(`--min-peers` = all). One peer has little memory (`--max-memory`). Steady-state tokens/s
+after the last join, the ratios `planned_once_vs_even` (c/b) and `planned_from_all_vs_even`
+(d/b), and what the re-planner (`swarmtrain.train.layout.replan_proposal`) predicts a live
+move would add to each. Live moves themselves are not built yet, so (a) is not measured.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from swarmtrain.wire.records import BatchConfig, even_split
 MODEL = {"n_layer": 8, "n_head": 4, "d_model": 128, "seq_len": 64, "vocab_size": 256}
 BATCH = BatchConfig(microbatch_size=8, microbatches_per_step=8, max_in_flight=8)
 WARMUP_STEPS = 2
+SMALL_MEMORY = "96MiB"
+"""--max-memory of the small peer in --joins: room for about two of the eight blocks (their state and 8 microbatches of activations)."""
 
 
 def measure(stage_bounds: tuple[int, ...], peers: list[list[float]], steps: int) -> dict:
@@ -55,11 +67,104 @@ def measure(stage_bounds: tuple[int, ...], peers: list[list[float]], steps: int)
     }
 
 
+def measure_joins(slowdowns: list[float], small: int, min_peers: int, steps: int) -> dict:
+    """Peers with `slowdowns` join in order (the `small`-th, 1-based, with little memory) a run of
+    three stages whose layout is planned from the first `min_peers` of them (0: an even split
+    from the start); steady-state tokens/s once all serve."""
+    from swarmtrain.train.layout import replan_proposal
+
+    def args(i: int) -> tuple[str, ...]:
+        extra = ("--max-memory", SMALL_MEMORY) if i + 1 == small else ()
+        return ("--slowdown", str(slowdowns[i]), "--rebalance-every", "0", *extra)
+
+    first = min_peers or 3
+    config = LocalSwarmConfig(
+        model_config=MODEL,
+        num_stages=3,
+        min_peers=min_peers,
+        plan_wait_s=600.0,
+        stage_args={i: args(i) for i in range(first)},
+        batch=BATCH,
+    )
+    with LocalSwarm(config) as swarm:
+        for i in range(first, len(slowdowns)):
+            swarm.spawn_stage(None, extra_args=args(i))
+        data = TokenBatches(
+            stdlib_text(2**22), seq_len=MODEL["seq_len"], microbatch_size=BATCH.microbatch_size, seed=0
+        )
+        names = [name for name in swarm.procs if name.startswith("stage")]  # in join order
+        slowdown_of = {swarm.wait_ready(name): slowdowns[i] for i, name in enumerate(names)}
+        with swarm.trainer() as trainer:
+            results = list(trainer.train(data, steps=steps + WARMUP_STEPS))[WARMUP_STEPS:]
+            manifest = trainer.node.get_manifest(trainer.manifest.run_id)
+            records = trainer.node.peers(manifest.run_id)
+    rates = [r.tokens_per_s for r in results]
+    proposal = replan_proposal(manifest, records)
+    stages = [
+        sorted(slowdown_of[r.peer_id] for r in records if r.role == "stage" and r.stage == k)
+        for k in range(manifest.num_stages)
+    ]
+    return {
+        "min_peers": min_peers,
+        "stage_bounds": list(manifest.stage_bounds),
+        "layout_note": manifest.layout_note,
+        "peer_slowdowns_per_stage": stages,
+        "tokens_per_s_median": statistics.median(rates),
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_max": max(rates),
+        "steps": len(results),
+        "replan_predicted_gain": None if proposal is None else proposal.gain,
+    }
+
+
+def main_joins(args) -> None:
+    slowdowns = [float(s) for s in args.slowdowns.split(",")]
+    started = time.monotonic()
+    even = measure_joins(slowdowns, args.small_memory_peer, 0, args.steps)
+    once = measure_joins(slowdowns, args.small_memory_peer, 3, args.steps)
+    full = measure_joins(slowdowns, args.small_memory_peer, len(slowdowns), args.steps)
+    base = even["tokens_per_s_median"]
+    print(
+        json.dumps(
+            {
+                "benchmark": "elastic --joins",
+                "aim": "a layout sized to the peers that came >= 1.3x the coordinator's even split",
+                "model": MODEL,
+                "batch": BATCH.to_dict(),
+                "peer_slowdowns_in_join_order": slowdowns,
+                "small_memory_peer": args.small_memory_peer,
+                "even_split_fixed": even,
+                "planned_from_first_3": once,
+                "planned_from_all": full,
+                "planned_once_vs_even": once["tokens_per_s_median"] / base,
+                "planned_from_all_vs_even": full["tokens_per_s_median"] / base,
+                "live_replanning": "not built yet: no live_vs_even figure",
+                "elapsed_s": time.monotonic() - started,
+            },
+            indent=2,
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps per layout (default 12)")
     parser.add_argument("--slowdowns", default="1,1,4,4", help="one --slowdown per peer (default 1,1,4,4)")
+    parser.add_argument(
+        "--joins", action="store_true", help="peers join one by one: even split vs planned layouts"
+    )
+    parser.add_argument(
+        "--small-memory-peer",
+        type=int,
+        default=6,
+        help="with --joins: the n-th peer (1-based) has little memory",
+    )
     args = parser.parse_args()
+    if args.joins:
+        if args.slowdowns == "1,1,4,4":
+            args.slowdowns = "1,1,2,4,4,1"
+        main_joins(args)
+        return
     slowdowns = [float(s) for s in args.slowdowns.split(",")]
     started = time.monotonic()
 
