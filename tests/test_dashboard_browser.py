@@ -216,8 +216,12 @@ R2 = "12D3KooWRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRRR2"
 T = "12D3KooWTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTTT3"
 PLAIN = RunManifest(run_id="plain", model="tiny-gpt", num_blocks=4, stage_bounds=(0, 2, 4))
 RL_RUN = dataclasses.replace(
-    PLAIN, run_id="grpo", loss="grpo", rl=RLConfig(task="add", samples_per_prompt=8, max_staleness=2)
-)
+    PLAIN,
+    run_id="grpo",
+    loss="grpo",
+    rl=RLConfig(task="add", samples_per_prompt=8, max_staleness=2),
+    layout_note="planned from 2 peers: blocks 0-1, 2-3, 900 tokens/s predicted, 1.00x the even split",
+)  # a layout planned from the peers that came (`coordinator --min-peers`)
 REWARDS = [round(0.1 + 0.65 * (1 - 0.9**step), 3) for step in range(24)]
 """Each step's mean reward (and accuracy: the reward is binary), rising as the policy learns."""
 FIGURES_JS = """return Object.fromEntries([...document.querySelectorAll('#rl-figures [data-fig]')].map(
@@ -293,6 +297,8 @@ def test_the_rl_panel_shows_an_rl_runs_figures_and_a_plain_run_has_none(tmp_path
                 what="the RL panel's figures",
             )
             assert browser.find_element("id", "rl").is_displayed()
+            layout = browser.find_element("id", "layout").text
+            assert layout.startswith("layout 1: planned from 2 peers: blocks 0-1, 2-3"), layout
             last = len(REWARDS) - 1  # the stages hold its version
             assert browser.execute_script(FIGURES_JS) == {
                 "version": "23", "reward": "0.692", "accuracy": "69.2%", "lag": "1.00", "samples": "55.0",
@@ -335,6 +341,7 @@ def test_the_rl_panel_shows_an_rl_runs_figures_and_a_plain_run_has_none(tmp_path
             assert not browser.find_element("id", "rl").is_displayed()
             assert browser.execute_script(CHART_JS, "chart-reward") == []  # never drawn
             assert "reward" not in browser.find_element("id", "progress").text
+            assert not browser.find_element("id", "layout").text.startswith("layout")  # set from the start
     finally:
         browser.quit()
     ARTIFACTS.mkdir(exist_ok=True)

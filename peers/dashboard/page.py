@@ -248,11 +248,14 @@ function render(view) {
     `${m.num_blocks} blocks in ${m.num_stages} stages \\u00b7 ${view.peers.length} peers` +
     (m.loss ? ` \\u00b7 loss ${m.loss}` : "") +
     (m.max_steps ? ` \\u00b7 ${m.max_steps} steps planned` : "") : "waiting for the run manifest\\u2026";
-  document.getElementById("layout").textContent = !m ? "" : m.layout_version === 0 ?
-    `layout ${m.layout_note}` : `layout ${m.layout_version}` + (m.layout_note ? `: ${m.layout_note}` : "") +
-    (view.replan && isFinite(view.replan.gain) ? ` \u00b7 a re-plan would predict ` +
-      `${Math.round(view.replan.planned_tokens_per_s)} tokens/s (${view.replan.gain >= 0 ? "+" : ""}` +
-      `${Math.round(100 * view.replan.gain)}%, held ${view.replan.streak}/${view.replan.patience} polls)` : "");
+  // the layout when it was planned (or is pending), and what a re-plan would predict
+  const layout = !m ? [] : m.layout_version === 0 ? [`layout ${m.layout_note}`] :
+    m.layout_note ? [`layout ${m.layout_version}: ${m.layout_note}`] : [];
+  const r = view.replan;
+  if (r && isFinite(r.gain))
+    layout.push(`a re-plan would predict ${Math.round(r.planned_tokens_per_s)} tokens/s ` +
+      `(${r.gain >= 0 ? "+" : ""}${Math.round(100 * r.gain)}%, held ${r.streak}/${r.patience} polls)`);
+  document.getElementById("layout").textContent = layout.join(" \u00b7 ");
   const t = view.trainers[0], step = view.series.step;
   document.getElementById("progress").textContent = (step.length ? `step ${step[step.length - 1]}` : "") +
     (view.finished ? " \\u00b7 run finished" : "") +
