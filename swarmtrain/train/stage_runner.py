@@ -423,6 +423,44 @@ class StageRunner:
                     out[f"opt.{i}.{name}"] = value.detach().cpu().clone()
         return out
 
+    def export_named_state(self) -> dict[str, Tensor]:
+        """Parameters ('param.NAME') and optimizer state ('opt.NAME.STATE') by swarm name, as CPU
+        copies: unlike `export_state`'s positions, the names mean the same block whatever span
+        holds it, so stages of another layout can take exactly their blocks from them."""
+        out = {f"param.{k}": p.detach().cpu().clone() for k, p in self.named_params.items()}
+        for k, p in self.named_params.items():
+            for name, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor):
+                    out[f"opt.{k}.{name}"] = value.detach().cpu().clone()
+        return out
+
+    def import_named_state(self, state: dict[str, Tensor], step: int) -> None:
+        """Take this stage's parameters and optimizer state at `step` out of `state`
+        (`export_named_state`s of the stages of another layout, merged: names of other blocks
+        are ignored); raises BadFrameError naming a parameter that is missing or does not fit."""
+        missing = [k for k in self.named_params if f"param.{k}" not in state]
+        if missing:
+            raise BadFrameError(
+                f"the states given lack {len(missing)} of this stage's parameters, e.g. {missing[0]!r}"
+            )
+        for k, p in self.named_params.items():
+            value = state[f"param.{k}"]
+            if value.shape != p.shape or value.dtype != p.dtype:
+                raise BadFrameError(f"state {k!r} has shape {tuple(value.shape)}, expected {tuple(p.shape)}")
+        with torch.no_grad():
+            for k, p in self.named_params.items():
+                p.copy_(state[f"param.{k}"])
+        self.optimizer.state.clear()
+        for k, p in self.named_params.items():
+            prefix = f"opt.{k}."
+            for key, value in state.items():
+                if key.startswith(prefix) and "." not in key[len(prefix) :]:
+                    self.optimizer.state[p][key[len(prefix) :]] = value.to(p.device).clone()
+        self.discard_step()
+        self.versions.reset()
+        self.from_seed = False
+        self.step = step
+
     def import_state(self, state: dict[str, Tensor], step: int) -> None:
         """Take over a live replica's `export_state()` at `step`; raises BadFrameError if it does not fit."""
         want = {f"param.{k}" for k in self.named_params}
