@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hivemind.utils import get_dht_time
+
 import swarmtrain
 from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
@@ -306,7 +308,7 @@ class Coordinator:
         waiting = candidates(records)
         if not layout_due(config, len(waiting), time.monotonic() - self._started, m.num_stages):
             return
-        self.manifest = first_layout(m, records)
+        self.manifest = first_layout(m, records, now=get_dht_time())
         self.on_layout(f"run {m.run_id!r}: layout 1: {self.manifest.layout_note}")
 
     def _publish(self) -> None:

@@ -261,3 +261,19 @@ def test_status_shows_the_cost_models_tokens_per_s_for_the_live_layout_beside_th
     # no prediction while a stage has no serving replica
     leaving = [PEERS[0], dataclasses.replace(PEERS[1], state="draining")]
     assert read_status(FakeSwarm([DASH], {"dash": leaving}, [POINT]), None, now=100.0)["prediction"] is None
+
+
+def test_status_says_how_the_layout_came_to_be():
+    planned = dataclasses.replace(
+        DASH, layout_note="planned from 2 peers: blocks 0-2, 3-3", layout_at=1000.0, assignments={A: 0, B: 1}
+    )
+    pending = dataclasses.replace(DASH, layout_version=0, layout_note="pending: waiting for 3 stage peers")
+    text = printed(read_status(FakeSwarm([planned], {"dash": PEERS}), "dash", now=1180.0))
+    assert "layout 1 (planned 3 min ago): planned from 2 peers: blocks 0-2, 3-3" in text
+    assert "layout pending: waiting for 3 stage peers" in printed(
+        read_status(FakeSwarm([pending], {"dash": []}), "dash", now=1180.0)
+    )
+    assert (
+        "layout"
+        not in printed(read_status(FakeSwarm([DASH], {"dash": PEERS}), "dash", now=1180.0)).split("\n")[1]
+    )  # a layout set with the run says nothing of itself

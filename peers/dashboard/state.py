@@ -408,6 +408,7 @@ class SwarmView:
             "stage_bounds": list(m.stage_bounds),
             "layout_version": m.layout_version,
             "layout_note": m.layout_note,
+            "layout_at": m.layout_at,
             "batch": m.batch.to_dict(),
             "optimizer": m.optimizer.to_dict(),
             "max_steps": m.max_steps,

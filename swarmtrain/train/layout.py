@@ -86,17 +86,22 @@ def layout_due(config: FirstLayoutConfig, num_candidates: int, waited_s: float, 
 
 
 def first_layout(
-    manifest: RunManifest, records: Iterable[PeerRecord], costs: Sequence[BlockCost] | None = None
+    manifest: RunManifest,
+    records: Iterable[PeerRecord],
+    costs: Sequence[BlockCost] | None = None,
+    *,
+    now: float = 0.0,
 ) -> RunManifest:
-    """The manifest with its first layout (version 1): stage bounds and assignments planned for
-    the candidates among `records` with the manifest's stage count, or its even split kept
-    when fewer candidates than stages came."""
+    """The manifest with its first layout (version 1, planned at DHT time `now`): stage bounds
+    and assignments planned for the candidates among `records` with the manifest's stage
+    count, or its even split kept when fewer candidates than stages came."""
     peers = [capacity_of(r) for r in candidates(records)]
     num_stages = manifest.num_stages
     if len(peers) < num_stages:
         return dataclasses.replace(
             manifest,
             layout_version=1,
+            layout_at=now,
             assignments={},
             layout_note=f"even split kept: {len(peers)} stage peers came for {num_stages} stages",
         )
@@ -115,6 +120,7 @@ def first_layout(
         manifest,
         stage_bounds=plan.stage_bounds,
         layout_version=1,
+        layout_at=now,
         assignments=dict(plan.assignments),
         layout_note=note,
     )

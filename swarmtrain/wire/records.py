@@ -8,6 +8,7 @@ offending field. Records are validated here, at the boundary, and trusted after 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,6 +169,8 @@ class RunManifest:
     then publishes version 1 (`swarmtrain.train.layout`). Trainers wait for it too."""
     layout_note: str = ""
     """Why the layout is what it is, for people: e.g. 'planned from 5 peers: ...'."""
+    layout_at: float = 0.0
+    """DHT time the layout was planned (0: set with the run)."""
     assignments: dict[str, int] = field(default_factory=dict)
     """The stage the layout gives each peer it was planned from (peer id -> stage); a peer
     without a --stage of its own takes it."""
@@ -178,6 +181,9 @@ class RunManifest:
         version = self.layout_version
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**31:
             raise ConfigError(f"manifest: layout_version must be an integer >= 0, got {version!r}")
+        at = self.layout_at
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not (at >= 0 and math.isfinite(at)):
+            raise ConfigError(f"manifest: layout_at must be a DHT time >= 0, got {at!r}")
         if not isinstance(self.layout_note, str) or len(self.layout_note) > MAX_LAYOUT_NOTE:
             raise ConfigError(f"manifest: layout_note must be text of at most {MAX_LAYOUT_NOTE} characters")
         if self.init_from is not None and (
@@ -340,6 +346,7 @@ class RunManifest:
             "rl": None if self.rl is None else self.rl.to_dict(),
             "layout_version": self.layout_version,
             "layout_note": self.layout_note,
+            "layout_at": self.layout_at,
             "assignments": dict(self.assignments),
             "wire_version": self.wire_version,
         }
