@@ -302,8 +302,11 @@ class Coordinator:
         return self.manifest.layout_version == 0
 
     def _plan_first_layout(self) -> None:
-        """Plan the run's first layout from the candidates there, once it is due (`layout_due`)."""
-        config, m = self.config.first_layout, self.manifest
+        """Plan the run's first layout from the candidates there, once it is due (`layout_due`).
+        An owner restarted without --min-peers on a run whose layout is still pending plans it
+        too, once a peer per stage has come (the --plan-wait default after its start)."""
+        m = self.manifest
+        config = self.config.first_layout or FirstLayoutConfig(min_peers=m.num_stages)
         records = self.node.peers(m.run_id)
         waiting = candidates(records)
         if not layout_due(config, len(waiting), time.monotonic() - self._started, m.num_stages):
@@ -312,7 +315,7 @@ class Coordinator:
         self.on_layout(f"run {m.run_id!r}: layout 1: {self.manifest.layout_note}")
 
     def _publish(self) -> None:
-        if self.is_owner and self.layout_pending and self.config.first_layout is not None:
+        if self.is_owner and self.layout_pending:
             self._plan_first_layout()
         m = self.manifest
         if self.is_owner:
