@@ -10,8 +10,8 @@ JSON: tokens/s of each (median over steps, after warm-up) and their ratio.
 
 `--joins`: the peers join one after another, as they would a real run, through the real
 first-layout path (`coordinator --min-peers`): (b) the coordinator's even split kept fixed,
-the peers choosing stages by the join rule; (c) the layout planned from the first three peers
-(`--min-peers 3`), the later ones joining it; (d) the layout planned once all have come
+the peers choosing stages by the join rule; (c) the layout planned from the first peers, one per
+stage (`--min-peers` = `--stages`), the later ones joining it; (d) the layout planned once all have come
 (`--min-peers` = all). One peer has little memory (`--max-memory`). Steady-state tokens/s
 after the last join, the ratios `planned_once_vs_even` (c/b) and `planned_from_all_vs_even`
 (d/b), and what the re-planner (`swarmtrain.train.layout.replan_proposal`) predicts a live
@@ -67,20 +67,20 @@ def measure(stage_bounds: tuple[int, ...], peers: list[list[float]], steps: int)
     }
 
 
-def measure_joins(slowdowns: list[float], small: int, min_peers: int, steps: int) -> dict:
-    """Peers with `slowdowns` join in order (the `small`-th, 1-based, with little memory) a run of
-    three stages whose layout is planned from the first `min_peers` of them (0: an even split
-    from the start); steady-state tokens/s once all serve."""
+def measure_joins(slowdowns: list[float], small: int, min_peers: int, steps: int, stages: int = 3) -> dict:
+    """Peers with `slowdowns` join in order (the `small`-th, 1-based, with little memory; 0: none)
+    a run of `stages` stages whose layout is planned from the first `min_peers` of them (0: an
+    even split from the start); steady-state tokens/s once all serve."""
     from swarmtrain.train.layout import replan_proposal
 
     def args(i: int) -> tuple[str, ...]:
         extra = ("--max-memory", SMALL_MEMORY) if i + 1 == small else ()
         return ("--slowdown", str(slowdowns[i]), "--rebalance-every", "0", *extra)
 
-    first = min_peers or 3
+    first = min_peers or stages
     config = LocalSwarmConfig(
         model_config=MODEL,
-        num_stages=3,
+        num_stages=stages,
         min_peers=min_peers,
         plan_wait_s=600.0,
         stage_args={i: args(i) for i in range(first)},
@@ -120,9 +120,10 @@ def measure_joins(slowdowns: list[float], small: int, min_peers: int, steps: int
 def main_joins(args) -> None:
     slowdowns = [float(s) for s in args.slowdowns.split(",")]
     started = time.monotonic()
-    even = measure_joins(slowdowns, args.small_memory_peer, 0, args.steps)
-    once = measure_joins(slowdowns, args.small_memory_peer, 3, args.steps)
-    full = measure_joins(slowdowns, args.small_memory_peer, len(slowdowns), args.steps)
+    n, first = args.stages, min(args.stages, len(slowdowns))
+    even = measure_joins(slowdowns, args.small_memory_peer, 0, args.steps, n)
+    once = measure_joins(slowdowns, args.small_memory_peer, first, args.steps, n)
+    full = measure_joins(slowdowns, args.small_memory_peer, len(slowdowns), args.steps, n)
     base = even["tokens_per_s_median"]
     print(
         json.dumps(
@@ -134,7 +135,8 @@ def main_joins(args) -> None:
                 "peer_slowdowns_in_join_order": slowdowns,
                 "small_memory_peer": args.small_memory_peer,
                 "even_split_fixed": even,
-                "planned_from_first_3": once,
+                "stages": n,
+                f"planned_from_first_{first}": once,
                 "planned_from_all": full,
                 "planned_once_vs_even": once["tokens_per_s_median"] / base,
                 "planned_from_all_vs_even": full["tokens_per_s_median"] / base,
@@ -157,8 +159,9 @@ def main() -> None:
         "--small-memory-peer",
         type=int,
         default=6,
-        help="with --joins: the n-th peer (1-based) has little memory",
+        help="with --joins: the n-th peer (1-based) has little memory; 0: none",
     )
+    parser.add_argument("--stages", type=int, default=3, help="with --joins: the run's stages (default 3)")
     args = parser.parse_args()
     if args.joins:
         if args.slowdowns == "1,1,4,4":
