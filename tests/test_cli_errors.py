@@ -151,6 +151,17 @@ CASES = {
     "stages-too-many": Case(
         ("coordinator", "--stages", "99"), ("cannot split 4 blocks into 99 stages", "--stages 4")
     ),
+    "min-peers-negative": Case(
+        ("coordinator", "--min-peers", "-1"),
+        ("Invalid value for '--min-peers'", "greater than or equal to 0"),
+    ),
+    "min-peers-with-bounds": Case(
+        ("coordinator", "--min-peers", "2", "--stage-bounds", "0,1,4"),
+        ("--min-peers plans the stage bounds from the peers that come: leave out --stage-bounds",),
+    ),
+    "plan-wait-negative": Case(
+        ("coordinator", "--min-peers", "2", "--plan-wait", "-1"), ("Invalid value for '--plan-wait'",)
+    ),
     "run-id-invalid": Case(
         ("coordinator", "--run-id", "bad id!"), ("invalid run id 'bad id!'", "letters, digits")
     ),
