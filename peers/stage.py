@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import signal
 import time
 from functools import partial
@@ -51,6 +50,7 @@ from swarmtrain.schedule.runtime import ComputeScheduler
 from swarmtrain.swarm import SwarmNode, stage_replicas
 from swarmtrain.train.authority import RunAuthority, StepClaims
 from swarmtrain.train.context import StageContext
+from swarmtrain.train.layout import await_first_layout
 from swarmtrain.train.placement import choose_stage, stage_memory_figures
 from swarmtrain.train.run_length import finished_message, is_finished
 from swarmtrain.train.service import StageService
@@ -221,8 +221,7 @@ class StagePeer:
 
     async def _await_first_layout(self, manifest: RunManifest) -> RunManifest:
         """Announce this peer, measured, as a candidate of the run's first layout and wait until
-        the coordinator publishes it (`swarmtrain.train.layout`); the manifest that has it, or
-        the pending one if the peer was stopped first."""
+        the coordinator publishes it (`layout.await_first_layout`)."""
         record = PeerRecord(
             peer_id=self.peer_id,
             role="candidate",
@@ -231,28 +230,10 @@ class StagePeer:
             version=swarmtrain.__version__,
             capacity=self.capacity,
         )
-        ttl, announced, logged = self.config.ttl_s, -math.inf, -math.inf
-        while manifest.layout_version == 0 and not self._stop.is_set():
-            now = time.monotonic()
-            if now - announced >= self.config.heartbeat_s:
-                await self.node.announce_async(manifest.run_id, record, ttl_s=ttl)
-                announced = now
-            if now - logged >= 15.0:
-                records = await self.node.peers_async(manifest.run_id)
-                waiting = sum(r.role == "candidate" for r in records)
-                self.on_waiting(
-                    f"waiting for the first layout of run {manifest.run_id!r} ({waiting} stage "
-                    f"peer{'' if waiting == 1 else 's'} announced): "
-                    f"{manifest.layout_note.removeprefix('pending: ')}"
-                )
-                logged = now
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=0.5)
-            read = await self._loop.run_in_executor(None, self.node.get_manifest, manifest.run_id)
-            manifest = read or manifest
-        if manifest.layout_version:
-            logger.info("run %s's first layout: %s", manifest.run_id, manifest.layout_note)
-        return manifest
+        return await await_first_layout(
+            self.node, manifest, record, stop=self._stop, ttl_s=self.config.ttl_s,
+            heartbeat_s=self.config.heartbeat_s, on_waiting=self.on_waiting,
+        )  # fmt: skip
 
     def _take_stage(self, stage: int) -> None:
         """Build `stage`'s blocks (from the run seed), its optimizer and its compute queue."""

@@ -405,7 +405,9 @@ def render_status(status: dict) -> Group:
         if m.get("layout_version") == 0:
             headline.append(f"\nlayout {m['layout_note']}")
         elif m.get("layout_note"):
-            when = f" (planned {format_age(max(0.0, now - m['layout_at']))} ago)" if m.get("layout_at") else ""
+            when = (
+                f" (planned {format_age(max(0.0, now - m['layout_at']))} ago)" if m.get("layout_at") else ""
+            )
             headline.append(f"\nlayout {m['layout_version']}{when}: {m['layout_note']}")
         if m["compressed"]:
             headline.append(f"\ncompression: {CompressionConfig.from_dict(m['compression']).describe()}")

@@ -23,8 +23,11 @@ peers still move one at a time between its stages (`placement.StageRebalancer`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -130,6 +133,44 @@ def _spans(bounds: Sequence[int]) -> str:
     return ", ".join(f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:], strict=False))
 
 
+async def await_first_layout(
+    node,
+    manifest: RunManifest,
+    record: PeerRecord,
+    *,
+    stop: asyncio.Event,
+    ttl_s: float,
+    heartbeat_s: float,
+    on_waiting: Callable[[str], None],
+    poll_s: float = 0.5,
+    say_every_s: float = 15.0,
+) -> RunManifest:
+    """A stage peer's wait for its run's first layout: announce `record` (the peer as a
+    candidate, its capacity measured) every `heartbeat_s`, read the manifest every `poll_s`,
+    and tell `on_waiting` every `say_every_s` how many candidates are there. The manifest with
+    the layout, or the pending one if `stop` was set first."""
+    loop = asyncio.get_running_loop()
+    announced = said = -math.inf
+    while manifest.layout_version == 0 and not stop.is_set():
+        now = time.monotonic()
+        if now - announced >= heartbeat_s:
+            await node.announce_async(manifest.run_id, record, ttl_s=ttl_s)
+            announced = now
+        if now - said >= say_every_s:
+            waiting = len(candidates(await node.peers_async(manifest.run_id)))
+            on_waiting(
+                f"waiting for the first layout of run {manifest.run_id!r} ({waiting} stage "
+                f"peer{'' if waiting == 1 else 's'} announced): {manifest.layout_note.removeprefix('pending: ')}"
+            )
+            said = now
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=poll_s)
+        manifest = await loop.run_in_executor(None, node.get_manifest, manifest.run_id) or manifest
+    if manifest.layout_version:
+        logger.info("run %s's first layout: %s", manifest.run_id, manifest.layout_note)
+    return manifest
+
+
 def wait_for_layout(
     read: Callable[[], RunManifest | None],
     manifest: RunManifest,
@@ -137,7 +178,7 @@ def wait_for_layout(
     who: str,
     timeout_s: float = LAYOUT_WAIT_S,
     poll_s: float = 0.5,
-    log_every_s: float = 10.0,
+    log_every_s: float = 30.0,
 ) -> RunManifest:
     """`manifest` if its layout is set, else the run's manifest once it is (`read` reads it
     again), saying every `log_every_s` what it waits for. ConfigError after `timeout_s`."""
@@ -150,8 +191,10 @@ def wait_for_layout(
                 f"start more stage peers (`swarmtrain join --run-id {manifest.run_id}`), or restart the "
                 "coordinator with a smaller --min-peers"
             )
-        if now - last_log >= log_every_s:
-            logger.info("%s waits for run %s's first layout: %s", who, manifest.run_id, manifest.layout_note)
+        if now - last_log >= log_every_s:  # a wait people should see, not only in -v
+            logger.warning(
+                "%s waits for run %s's first layout: %s", who, manifest.run_id, manifest.layout_note
+            )
             last_log = now
         time.sleep(poll_s)
         manifest = read() or manifest
