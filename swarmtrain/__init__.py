@@ -32,6 +32,7 @@ _EXPORTS = {
     "load_exported": "swarmtrain.peers.export",
     "Coordinator": "swarmtrain.peers.coordinator",
     "CoordinatorConfig": "swarmtrain.peers.coordinator",
+    "FirstLayoutConfig": "swarmtrain.train.layout",
     "StagePeer": "swarmtrain.peers.stage",
     "StageConfig": "swarmtrain.peers.stage",
     "Trainer": "swarmtrain.peers.trainer",
