@@ -79,6 +79,24 @@ def coordinator(
             max=86399,
         ),
     ] = 60.0,
+    replan: Annotated[
+        bool,
+        typer.Option(
+            "--replan/--no-replan",
+            help="Re-plan the running swarm's layout from its serving peers' measured speeds, and move "
+            "the swarm to a plan that beats the live layout by more than --replan-gain for "
+            "--replan-patience checks in a row (blocks change hands between two steps).",
+        ),
+    ] = False,
+    replan_gain: Annotated[
+        float, typer.Option(help="With --replan: smallest predicted gain worth a move (0.2: +20%).", min=0)
+    ] = 0.2,
+    replan_patience: Annotated[
+        int, typer.Option(help="With --replan: checks in a row a re-plan must keep its gain.", min=1)
+    ] = 3,
+    replan_every: Annotated[
+        float, typer.Option(help="With --replan: seconds between re-plan checks.", min=0.1)
+    ] = 10.0,
     optimizer: Annotated[str, typer.Option(help="Optimizer every stage runs: adamw or sgd.")] = "adamw",
     lr: Annotated[float, typer.Option(help="Learning rate, > 0.")] = 3e-3,
     weight_decay: Annotated[
@@ -314,6 +332,7 @@ def coordinator(
     setup_logging(verbose)
     from swarmtrain.peers.coordinator import Coordinator, CoordinatorConfig
     from swarmtrain.peers.dashboard.config import DashboardConfig
+    from swarmtrain.plan import ReplanConfig
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.train.layout import FirstLayoutConfig
     from swarmtrain.wire.records import BatchConfig, CompressionConfig, OptimizerConfig
@@ -347,6 +366,8 @@ def coordinator(
             num_stages=stages,
             stage_bounds=parse_stage_bounds(stage_bounds),
             first_layout=FirstLayoutConfig(min_peers=min_peers, plan_wait_s=plan_wait) if min_peers else None,
+            replan=ReplanConfig(min_gain=replan_gain, patience=replan_patience) if replan else None,
+            replan_s=replan_every,
             optimizer=OptimizerConfig(
                 name=optimizer,
                 lr=lr,

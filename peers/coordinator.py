@@ -36,6 +36,7 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
 from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.dashboard.config import DashboardConfig
+from swarmtrain.plan import LayoutGate, ReplanConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.train.archive import RUN_FORMAT, read_meta
 from swarmtrain.train.authority import committed_step, read_points
@@ -117,6 +118,13 @@ class CoordinatorConfig:
     `stage_bounds`, or an even split, from the start."""
     dashboard: DashboardConfig | None = None
     """Serve the swarm dashboard from this process; None: no dashboard."""
+    replan: ReplanConfig | None = None
+    """Re-plan the layout of the running swarm (`--replan`): every `replan_s`, the planner's layout
+    for the serving peers at their measured speeds; one that beats the live layout by more than
+    `replan.min_gain` for `replan.patience` checks in a row is published as the next layout
+    version, and the trainer moves the swarm to it between two steps. None: the layout stays."""
+    replan_s: float = 10.0
+    """Seconds between re-plan checks."""
 
     def __post_init__(self):
         check_run_id(self.run_id)
@@ -126,6 +134,13 @@ class CoordinatorConfig:
             check_loss_name(self.loss)
         if self.republish_s <= 0:
             raise ConfigError(f"republish_s must be > 0, got {self.republish_s}")
+        if self.replan is not None and (self.rl is not None or self.checkpoint_dir is not None):
+            raise ConfigError(
+                "--replan moves blocks between stages, which RL runs' policy versions and the archivist's "
+                "checkpoints do not follow yet: leave out --replan, or --task and --checkpoint-dir"
+            )
+        if self.replan_s <= 0:
+            raise ConfigError(f"--replan-every must be > 0 seconds, got {self.replan_s}")
         if self.first_layout is not None and (self.stage_bounds is not None or self.resume):
             raise ConfigError(
                 "--min-peers plans the stage bounds from the peers that come: leave out --stage-bounds "
@@ -250,6 +265,9 @@ class Coordinator:
             self.archivist = Archivist(self.node, self.manifest, config.checkpoint_dir)
         self._closed = threading.Event()
         self._started = time.monotonic()
+        self._replan_gate = LayoutGate(config.replan)
+        self._replan_checked = time.monotonic()
+        self._replan_costs = None
         self.progress = 0
         """One past the furthest step an authorized trainer reported committed, as last seen."""
         self.on_layout = lambda message: logger.info("%s", message)
@@ -297,6 +315,12 @@ class Coordinator:
         """The multiaddr to pass other peers as --initial-peers."""
         return self.addresses[0]
 
+    def _publish_every(self) -> float:
+        every = self.config.republish_s
+        if self.layout_pending:  # look for candidates every second
+            return min(1.0, every)
+        return min(every, self.config.replan_s) if self.config.replan is not None else every
+
     @property
     def layout_pending(self) -> bool:
         return self.manifest.layout_version == 0
@@ -314,9 +338,41 @@ class Coordinator:
         self.manifest = first_layout(m, records, now=get_dht_time())
         self.on_layout(f"run {m.run_id!r}: layout 1: {self.manifest.layout_note}")
 
+    def _consider_replan(self) -> None:
+        """One re-plan check (`--replan`): publish the next layout once the gate lets it through."""
+        from swarmtrain.train.layout import replan_note, replan_proposal
+        from swarmtrain.train.placement import manifest_costs
+
+        m = self.manifest
+        if self._replan_costs is None or self._replan_costs[0] != (m.run_id, m.stage_bounds):
+            self._replan_costs = ((m.run_id, m.stage_bounds), manifest_costs(m))
+        live = [r for r in self.node.peers(m.run_id) if r.layout == m.layout_version]
+        proposal = self._replan_gate.observe(replan_proposal(m, live, self._replan_costs[1]))
+        if proposal is None:
+            return
+        self.manifest = dataclasses.replace(
+            m,
+            stage_bounds=proposal.stage_bounds,
+            assignments=dict(proposal.assignments),
+            layout_version=m.layout_version + 1,
+            layout_at=get_dht_time(),
+            layout_note=replan_note(proposal, m.layout_version),
+        )
+        self._replan_gate = LayoutGate(self.config.replan)
+        self.on_layout(
+            f"run {m.run_id!r}: layout {self.manifest.layout_version}: {self.manifest.layout_note}"
+        )
+
     def _publish(self) -> None:
         if self.is_owner and self.layout_pending:
             self._plan_first_layout()
+        elif (
+            self.is_owner
+            and self.config.replan is not None
+            and time.monotonic() - self._replan_checked >= self.config.replan_s
+        ):
+            self._replan_checked = time.monotonic()
+            self._consider_replan()
         m = self.manifest
         if self.is_owner:
             self.node.publish_manifest(m, ttl_s=MANIFEST_TTL_S)
@@ -342,9 +398,7 @@ class Coordinator:
 
     def _republish(self) -> None:
         # while the first layout is pending, look for candidates every second
-        while not self._closed.wait(
-            min(1.0, self.config.republish_s) if self.layout_pending else self.config.republish_s
-        ):
+        while not self._closed.wait(self._publish_every()):
             try:
                 self._publish()
             except Exception as e:  # a DHT hiccup must not end the coordinator

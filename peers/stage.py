@@ -31,6 +31,7 @@ from swarmtrain.peers.checkpoints import (
     default_checkpoint_dir,
 )
 from swarmtrain.peers.faults import FaultInjector, SlowdownSource
+from swarmtrain.peers.relayout import is_layout_state_request, relayout, serve_layout_state
 from swarmtrain.peers.self_measure import (
     block_capacity,
     capacity,
@@ -87,6 +88,8 @@ class StagePeer:
         self.switch_role: str | None = None
         """Set when the peer left its stage to take another role (`--role auto`): 'rollout'."""
         self._memory: list[tuple[int, int]] = []
+        self.layout_snapshot = None
+        """Its stage's state when it last moved to another layout (`relayout.LayoutSnapshot`)."""
         self.moves = 0
         self.checkpoints: StageCheckpointer | None = None
         self.restored_from: int | None = None
@@ -198,7 +201,7 @@ class StagePeer:
             self.capacity.update(await link_figures(self.transport, others, self.manifest.run_id))
         await self.refresh_replicas()
         # the service is replaced when the peer moves: look it up for every request
-        await self.transport.serve(handler_name(manifest.run_id), lambda f, p: self.service.handle(f, p))
+        await self.transport.serve(handler_name(manifest.run_id), self._handle)
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: stop() is the way out
                 self._loop.add_signal_handler(sig, self._stop.set)
@@ -218,6 +221,13 @@ class StagePeer:
             if task is not None:
                 task.cancel()
         await asyncio.gather(beats, *([self._beat_soon] if self._beat_soon else []), return_exceptions=True)
+
+    async def _handle(self, frame, caller: str):
+        """A request to this peer: a layout move's state request (`relayout`), else the service's."""
+        layout = is_layout_state_request(frame)
+        if layout is not None and frame.run_id == self.manifest.run_id:
+            return await serve_layout_state(self, frame, caller, layout)
+        return await self.service.handle(frame, caller)
 
     async def _await_first_layout(self, manifest: RunManifest) -> RunManifest:
         """Announce this peer, measured, as a candidate of the run's first layout and wait until
@@ -298,6 +308,7 @@ class StagePeer:
                 checkpoint_state=lambda step: self.checkpoints.state_at(
                     stage, step, list(runner.named_params)
                 ),
+                on_relayout=lambda step, layout: relayout(self, step, layout),
             ),
             self.counters,
         )
@@ -365,6 +376,7 @@ class StagePeer:
             bytes_sent=self.transport.bytes_sent,
             bytes_received=self.transport.bytes_received,
             raw_bytes_sent=self.transport.raw_bytes_sent,
+            layout=self.manifest.layout_version,
         )
 
     async def _heartbeat(self) -> None:
@@ -414,7 +426,7 @@ class StagePeer:
             await asyncio.sleep(wait_s)
         self._records = await self.node.peers_async(self.manifest.run_id)
         self._members = {r.peer_id: r.stage for r in self._records if r.role == "stage"}
-        by_stage = stage_replicas(self._records)
+        by_stage = stage_replicas(self._records, self.manifest.layout_version)
         self._replicas = {
             k: [r.peer_id for r in rs if r.peer_id != self.peer_id] for k, rs in by_stage.items()
         }
@@ -435,7 +447,7 @@ class StagePeer:
         """Other serving replicas of this stage, furthest step first (from `records`, or a fresh read)."""
         if records is None:
             records = await self.node.peers_async(self.manifest.run_id)
-        replicas = stage_replicas(records).get(self.stage, [])
+        replicas = stage_replicas(records, self.manifest.layout_version).get(self.stage, [])
         others = [r for r in replicas if r.peer_id != self.peer_id]
         return sorted(others, key=lambda r: -r.step)
 

@@ -36,6 +36,7 @@ from swarmtrain.model.param_names import model_from_states
 from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.faults import CallFault
 from swarmtrain.peers.trainer_config import TrainerConfig, check_authorized, shard_of
+from swarmtrain.peers.trainer_layout import follow_layout
 from swarmtrain.peers.trainer_presence import TrainerPresence
 from swarmtrain.schedule import InFlightWindow, ReadinessRouter, RoundRobinRouter, WindowConfig
 from swarmtrain.swarm import SwarmNode, stage_replicas
@@ -115,6 +116,8 @@ class Trainer:
             self.close()
             raise
         self.step = 0
+        self.layout_moves: list[tuple[int, int, float]] = []
+        """(step, layout version, seconds training paused) of each layout move this trainer made."""
         self.trainer_id = self.node.peer_id  # in full: stage 0 checks its microbatch ids against it
         self.known_step: dict[str, int] = {}
         self._published = None
@@ -245,7 +248,9 @@ class Trainer:
         step = self.step if step is None else step
         deadline = time.monotonic() + self.config.wait_for_stages_s
         while True:
-            by_stage = stage_replicas(await self.node.peers_async(self.manifest.run_id))
+            by_stage = stage_replicas(
+                await self.node.peers_async(self.manifest.run_id), self.manifest.layout_version
+            )
             eligible = {  # a fresh peer (the seed's state, never served) adopts the run's step
                 k: [
                     r.peer_id
@@ -276,14 +281,19 @@ class Trainer:
     async def _rollback_plan(self) -> RollbackPlan | None:
         """The rollback a lost stage calls for, None if none (`swarmtrain.train.rollback`)."""
         records = await self.node.peers_async(self.manifest.run_id)
-        steps = {k: [self._step_of(r) for r in rs] for k, rs in stage_replicas(records).items()}
+        steps = {
+            k: [self._step_of(r) for r in rs]
+            for k, rs in stage_replicas(records, self.manifest.layout_version).items()
+        }
         m = self.manifest
         return plan_rollback(steps, records, self.step, m.num_stages, stage_only=m.restore_lost_stage_only)
 
     async def _roll_back(self, plan: RollbackPlan) -> None:
         """Send every serving replica of every stage the rollback; go on as `plan.step`."""
         logger.warning("%s", plan.describe())
-        by_stage = stage_replicas(await self.node.peers_async(self.manifest.run_id))
+        by_stage = stage_replicas(
+            await self.node.peers_async(self.manifest.run_id), self.manifest.layout_version
+        )
 
         async def one(stage: int, peer: str) -> None:
             meta = Rollback(
@@ -311,7 +321,9 @@ class Trainer:
         """Start from the step the stages' replicas are at: the furthest one, but (a replica's
         answer is only its claim) no further than one past the furthest step a trainer the run
         authorizes reported committed, when one did."""
-        by_stage = stage_replicas(await self.node.peers_async(self.manifest.run_id))
+        by_stage = stage_replicas(
+            await self.node.peers_async(self.manifest.run_id), self.manifest.layout_version
+        )
         steps = [0]
         for stage, records in by_stage.items():
             for r in records:
@@ -447,6 +459,7 @@ class Trainer:
         has no step left.
         """
         self._run(self._check_not_over())
+        self._run(follow_layout(self, force=True))  # the run's newest layout, with its peers on it
         self._run(self._replicas_at_step(step=-1))  # a replica of every stage, at whatever step
         self._run(self._sync_step())
         steps = steps_to_run(self.manifest.run_id, self.step, steps, self.manifest.max_steps)
@@ -463,6 +476,7 @@ class Trainer:
                 items = feed.take(self.step)
                 if items is None:
                     return
+                self._run(follow_layout(self))  # the run's owner re-planned its layout: move to it first
                 result = self._run_step([loss_inputs_of(item) for item in items])
                 if result.rolled_back:
                     feed.relabel(result.step)

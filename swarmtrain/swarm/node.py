@@ -408,10 +408,11 @@ class SwarmNode:
         return self._parse_peers(self.dht.get(peers_key(run_id), latest=True))
 
 
-def stage_replicas(records: list[PeerRecord]) -> dict[int, list[PeerRecord]]:
-    """The serving peers of each stage, earliest first (ties broken by peer id)."""
+def stage_replicas(records: list[PeerRecord], layout: int | None = None) -> dict[int, list[PeerRecord]]:
+    """The serving peers of each stage (of layout version `layout`, when given), earliest first
+    (ties broken by peer id)."""
     out: dict[int, list[PeerRecord]] = {}
     for r in sorted(records, key=lambda r: (r.since, r.peer_id)):
-        if r.role == "stage" and r.state == "serving":
+        if r.role == "stage" and r.state == "serving" and (layout is None or r.layout == layout):
             out.setdefault(r.stage, []).append(r)
     return out

@@ -58,6 +58,9 @@ class StageContext:
     """A step was applied (announce the new step soon, checkpoint it if due)."""
     checkpoint_state: Callable[[int], dict | None] = lambda step: None
     """The state of this stage's checkpoint of `step` on this peer's disk, None if it holds none."""
+    on_relayout: Callable[[int, int], Awaitable[int]] | None = None
+    """Move this peer to layout version `layout` at `step` (`Relayout`); returns the stage it
+    serves there. None: this replica cannot move (refused)."""
 
     @property
     def handler(self) -> str:

@@ -216,3 +216,12 @@ def replan_proposal(
     except (TypeError, ValueError):  # a capacity that does not parse
         return None
     return propose_layout(costs, peers, manifest_plan_config(manifest), layout_plan(manifest, live))
+
+
+def replan_note(proposal: LayoutProposal, live_version: int) -> str:
+    """The `layout_note` of a layout re-planned from `proposal` over layout `live_version`."""
+    gain = "from a stalled layout" if proposal.gain == float("inf") else f"{proposal.gain:+.0%}"
+    return (
+        f"re-planned from {len(proposal.assignments)} serving peers: blocks {_spans(proposal.stage_bounds)}, "
+        f"{proposal.planned_tokens_per_s:.0f} tokens/s predicted ({gain} over layout {live_version})"
+    )

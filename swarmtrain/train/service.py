@@ -34,6 +34,7 @@ from swarmtrain.wire.messages import (
     GradsMeta,
     PongMeta,
     Readiness,
+    Relayout,
     Rollback,
     StateRequest,
     WeightsRequest,
@@ -95,6 +96,8 @@ class StageService:
                 request = CommitRequest.parse(frame.meta)
                 if isinstance(request, Rollback):
                     return await self._rollback(frame.step, request)
+                if isinstance(request, Relayout):
+                    return await self._relayout(frame.step, request.layout)
                 return await self.commit.on_step(frame, caller)
             if frame.kind == "grads":
                 return await self.commit.on_grads(frame, caller)
@@ -184,6 +187,28 @@ class StageService:
             self.forward.cache.clear()
             logger.warning("stage %d went back to checkpoint %d; going on as step %d", ctx.stage, want, step)
         return Frame(kind="step_done", run_id=ctx.run_id, stage=ctx.stage, step=runner.step)
+
+    async def _relayout(self, step: int, layout: int) -> Frame:
+        """Move this peer to layout `layout` at `step` (the peer does it: `ctx.on_relayout`); the
+        reply names the stage it serves in the new layout."""
+        ctx = self.ctx
+        if ctx.on_relayout is None:
+            raise RemoteError("this replica cannot move to another layout", cause=Cause.OWN_FAILURE)
+        if self.in_flight or ctx.runner.num_pending or ctx.runner.step != step:
+            raise RemoteError(
+                f"a layout move at step {step} needs an idle replica at that step (this one is at "
+                f"step {ctx.runner.step}, {self.in_flight} microbatches in flight)",
+                cause=Cause.OWN_FAILURE,
+            )
+        stage = await ctx.on_relayout(step, layout)
+        return Frame(kind="step_done", run_id=ctx.run_id, stage=stage, step=step)
+
+    async def install_named_state(self, state: dict, step: int) -> None:
+        """This replica's blocks out of `state` (by swarm name) at `step` (BadFrameError if they
+        are not all there)."""
+        await self.ctx.scheduler.call(self.ctx.runner.import_named_state, state, step)
+        self.commit.reset()
+        self.forward.cache.clear()
 
     async def install_state(self, state: dict, step: int) -> None:
         """Replace this replica's state with `state` at `step` (BadFrameError if it does not fit)."""

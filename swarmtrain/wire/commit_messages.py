@@ -38,6 +38,7 @@ class CommitPhase(StrEnum):
     APPLY = "apply"
     ABORT = "abort"
     ROLLBACK = "rollback"
+    RELAYOUT = "relayout"
     CLAIM = "claim"
     STATUS = "status"
 
@@ -64,7 +65,9 @@ class CommitRequest(Message):
     def parse(meta: dict[str, Any]) -> CommitRequest:
         """The typed request of a 'step' frame's meta; BadFrameError for an unknown phase."""
         phase = meta.get("phase") if isinstance(meta, dict) else None
-        kinds = {k.PHASE.value: k for k in (Prepare, Exchange, Apply, Abort, Rollback, Claim, Status)}
+        kinds = {
+            k.PHASE.value: k for k in (Prepare, Exchange, Apply, Abort, Rollback, Relayout, Claim, Status)
+        }
         if not isinstance(phase, str) or phase not in kinds:  # a list here is unhashable
             raise BadFrameError(f"unknown commit phase {phase!r} (known: {', '.join(kinds)})")
         return kinds[phase].from_meta(meta)
@@ -167,6 +170,18 @@ class Rollback(CommitRequest):
     checkpoint: int
     sources: tuple[str, ...] = ()
     """Peers that hold this stage's checkpoint of step `checkpoint`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Relayout(CommitRequest):
+    """Move to layout version `layout` of the run's manifest at the frame's step, between two
+    steps: take the stage the layout gives this peer, its blocks' state by name from the
+    holders of the previous layout, and answer once it serves it (`swarmtrain.train.relayout`)."""
+
+    PHASE = CommitPhase.RELAYOUT
+    WHAT = "relayout"
+    FIELDS = {"layout": _int()}
+    layout: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,6 +39,7 @@ from swarmtrain.wire.commit_messages import (
     Exchanged,
     Prepare,
     Prepared,
+    Relayout,
     Rollback,
     Status,
     StepStatus,
@@ -170,11 +171,14 @@ class ResultMeta(Readiness):
 
 @dataclass(frozen=True, kw_only=True)
 class StateRequest(Message):
-    """A request for a replica's state: its live state, or the checkpoint of step `checkpoint`."""
+    """A request for a replica's state: its live state, or the checkpoint of step `checkpoint`;
+    with `layout`, its stage's state in that layout version by swarm name (parameters and
+    optimizer state: `StageRunner.export_named_state`), for a layout move."""
 
     WHAT = "state request"
-    FIELDS = {"checkpoint": _optional(_int())}
+    FIELDS = {"checkpoint": _optional(_int()), "layout": _optional(_int())}
     checkpoint: int | None = None
+    layout: int | None = None
 
 
 MAX_PARAM_NAME_CHARS = 256
@@ -265,6 +269,7 @@ __all__ = [
     "Prepared",
     "Readiness",
     "ResultMeta",
+    "Relayout",
     "Rollback",
     "StateRequest",
     "Status",

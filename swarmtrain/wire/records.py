@@ -418,8 +418,12 @@ class PeerRecord:
     quantize: str | None = None
     """Rollout peers: the mode their policy copies' weights are quantized in (one of
     QUANTIZE_MODES); None: full precision."""
+    layout: int = 1
+    """Stage peers: the version of the run's layout (`RunManifest.layout_version`) whose stage
+    they serve; routers send work only to peers of their own layout."""
 
     def __post_init__(self):
+        _check_count("layout", self.layout)
         if self.role not in PEER_ROLES:
             raise ConfigError(f"peer record: unknown role {self.role!r}")
         if self.state not in PEER_STATES:

@@ -1,0 +1,70 @@
+"""Moving a running swarm to a new layout (`coordinator --replan`), on a real swarm: the owner
+re-plans from the serving peers' measured speeds, the trainer moves every stage peer between two
+steps (blocks change hands by name), and training goes on from the same step with the losses
+of an uninterrupted single-process run."""
+
+import pytest
+
+from swarmtrain.train.data import TokenBatches, stdlib_text
+from swarmtrain.wire.records import BatchConfig, OptimizerConfig
+from tests.conftest import TINY_GPT, assert_losses_match_reference, reference_losses
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
+
+MODEL = TINY_GPT | {"n_layer": 6}
+SEED = 4
+OPTIMIZER = OptimizerConfig(name="adamw", lr=1e-2)
+BATCH = BatchConfig(microbatch_size=4, microbatches_per_step=4, max_in_flight=4)
+STILL = ("--rebalance-every", "0")
+REPLAN = ("--replan", "--replan-gain", "0.5", "--replan-patience", "2", "--replan-every", "1")
+SLOW_FROM = 3
+"""Steps before stage 1's peer turns 4x slower: until then the even split is the planner's too."""
+
+
+def batches():
+    return TokenBatches(stdlib_text(2**20), seq_len=MODEL["seq_len"], microbatch_size=4, seed=SEED)
+
+
+def test_a_layout_move_mid_run_keeps_loss_parity(local_swarm, tmp_path):
+    """Two stages split evenly over two equal peers; after a few steps stage 1's peer turns 4x
+    slower. The owner re-plans from the measured speeds (stage 1 gets fewer blocks), the trainer
+    moves the swarm between two steps, and every step's loss, before and after the move, equals
+    single-process training's."""
+    slow = tmp_path / "slowdown"
+    swarm = local_swarm(
+        model_config=MODEL,
+        num_stages=2,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batch=BATCH,
+        stage_args={0: STILL, 1: (*STILL, "--slowdown-file", str(slow))},
+        coordinator_args=REPLAN,
+    )
+    slow_id = swarm.wait_ready("stage1-2")
+    results, after = [], 0
+    with swarm.trainer() as trainer:
+        for result in trainer.train(batches(), steps=150):
+            results.append(result)
+            if len(results) == SLOW_FROM:
+                slow.write_text("4")
+            after += bool(trainer.layout_moves)
+            if after == 3:
+                break
+        moves, manifest = list(trainer.layout_moves), trainer.manifest
+        records = [r for r in trainer.node.peers(manifest.run_id) if r.role == "stage"]
+    assert after == 3, f"no layout move in {len(results)} steps:\n{swarm.log_tail('coordinator')}"
+    ((step, version, paused),) = moves
+    assert step >= SLOW_FROM, moves  # mid-run, once a stage slowed down
+    assert version == 2 and manifest.layout_version == 2 and manifest.stage_bounds != (0, 3, 6)
+    b = manifest.stage_bounds
+    slow_stage = next(r.stage for r in records if r.peer_id == slow_id)
+    assert b[slow_stage + 1] - b[slow_stage] < 3, (b, slow_stage)  # the slow peer holds fewer blocks
+    assert manifest.layout_note.startswith("re-planned from"), manifest.layout_note
+    assert sorted((r.stage, r.layout) for r in records) == [(0, 2), (1, 2)], records
+    assert paused < 30, paused
+    assert [r.step for r in results] == list(range(len(results)))
+    reference = reference_losses(
+        seed=SEED, optimizer=OPTIMIZER, batches=batches(), steps=len(results), microbatches_per_step=4,
+        model_config=MODEL,
+    )  # fmt: skip
+    assert_losses_match_reference(results, reference)
