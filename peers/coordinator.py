@@ -26,6 +26,7 @@ import random
 import secrets
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,10 @@ from swarmtrain.wire.records import (
 from swarmtrain.wire.rl_config import RLConfig
 
 logger = logging.getLogger(__name__)
+
+MOVE_GRACE_S = 20.0
+"""Seconds a trainer has to move the swarm to a new layout (it looks every 2 s; a move pauses
+training, so steps that go on past this without it mean the move failed and was undone)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,6 +273,10 @@ class Coordinator:
         self._replan_gate = LayoutGate(config.replan)
         self._replan_checked = time.monotonic()
         self._replan_costs = None
+        self._replan_progress = self._moved_at_progress = 0
+        self._moved_at = 0.0
+        self._layouts: dict[int, RunManifest] = {}
+        """Every layout version this coordinator saw of its run, to go back to after a failed move."""
         self.progress = 0
         """One past the furthest step an authorized trainer reported committed, as last seen."""
         self.on_layout = lambda message: logger.info("%s", message)
@@ -339,29 +348,56 @@ class Coordinator:
         self.on_layout(f"run {m.run_id!r}: layout 1: {self.manifest.layout_note}")
 
     def _consider_replan(self) -> None:
-        """One re-plan check (`--replan`): publish the next layout once the gate lets it through."""
+        """One re-plan check (`--replan`), while trainers make progress: publish the next layout
+        once the gate lets a proposal through; when the swarm did not follow the latest layout
+        (a move that failed and was undone), publish the layout it is on as the next version."""
         from swarmtrain.train.layout import replan_note, replan_proposal
         from swarmtrain.train.placement import manifest_costs
 
         m = self.manifest
+        self._layouts[m.layout_version] = m
+        training, self._replan_progress = self.progress > self._replan_progress, self.progress
+        serving = [r for r in self.node.peers(m.run_id) if r.role == "stage" and r.state == "serving"]
+        versions = Counter(r.layout for r in serving)
+        live = max(versions, key=lambda v: (versions[v], v)) if versions else m.layout_version
+        if live != m.layout_version:  # a move under way, or one the trainer undid
+            trained_on = self.progress > self._moved_at_progress + 2  # steps, yet no move
+            if live in self._layouts and trained_on and time.monotonic() - self._moved_at > MOVE_GRACE_S:
+                back = self._layouts[live]
+                self._publish_layout(
+                    dataclasses.replace(
+                        back, assignments={r.peer_id: r.stage for r in serving if r.layout == live}
+                    ),
+                    f"the move to layout {m.layout_version} did not complete: layout {live}'s stages again",
+                )
+            return
+        if not training:
+            return
         if self._replan_costs is None or self._replan_costs[0] != (m.run_id, m.stage_bounds):
             self._replan_costs = ((m.run_id, m.stage_bounds), manifest_costs(m))
-        live = [r for r in self.node.peers(m.run_id) if r.layout == m.layout_version]
-        proposal = self._replan_gate.observe(replan_proposal(m, live, self._replan_costs[1]))
-        if proposal is None:
-            return
+        live_records = [r for r in serving if r.layout == m.layout_version]
+        proposal = self._replan_gate.observe(replan_proposal(m, live_records, self._replan_costs[1]))
+        if proposal is not None:
+            planned = dataclasses.replace(
+                m, stage_bounds=proposal.stage_bounds, assignments=dict(proposal.assignments)
+            )
+            self._publish_layout(planned, replan_note(proposal, m.layout_version))
+
+    def _publish_layout(self, layout: RunManifest, note: str) -> None:
+        """Make `layout`'s stages and assignments the run's next layout version."""
+        m = self.manifest
         self.manifest = dataclasses.replace(
             m,
-            stage_bounds=proposal.stage_bounds,
-            assignments=dict(proposal.assignments),
+            stage_bounds=layout.stage_bounds,
+            assignments=dict(layout.assignments),
             layout_version=m.layout_version + 1,
             layout_at=get_dht_time(),
-            layout_note=replan_note(proposal, m.layout_version),
+            layout_note=note,
         )
+        self._layouts[self.manifest.layout_version] = self.manifest
+        self._moved_at_progress, self._moved_at = self.progress, time.monotonic()
         self._replan_gate = LayoutGate(self.config.replan)
-        self.on_layout(
-            f"run {m.run_id!r}: layout {self.manifest.layout_version}: {self.manifest.layout_note}"
-        )
+        self.on_layout(f"run {m.run_id!r}: layout {self.manifest.layout_version}: {note}")
 
     def _publish(self) -> None:
         if self.is_owner and self.layout_pending:

@@ -20,6 +20,8 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.schedule.queue import TASK_KINDS, Task
 
 ACTIONS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+KINDS = (*TASK_KINDS, "relayout")
+"""Compute task kinds, and 'relayout': a layout move, once the peer kept its old stage's state."""
 FILE_CHECK_S = 0.2
 """How often the slowdown file is looked at."""
 
@@ -34,17 +36,21 @@ class FaultInjector:
     @staticmethod
     def parse(spec: str) -> tuple[str, str, int]:
         parts = spec.split(":")
-        if len(parts) != 3 or parts[0] not in ACTIONS or parts[1] not in TASK_KINDS or not parts[2].isdigit():
+        if len(parts) != 3 or parts[0] not in ACTIONS or parts[1] not in KINDS or not parts[2].isdigit():
             raise ConfigError(
                 f"--inject-fault {spec!r} must be ACTION:KIND:N with ACTION kill or term, "
-                f"KIND one of {', '.join(TASK_KINDS)}, N >= 1 (e.g. kill:backward:3)"
+                f"KIND one of {', '.join(KINDS)}, N >= 1 (e.g. kill:backward:3)"
             )
         if int(parts[2]) < 1:
             raise ConfigError(f"--inject-fault {spec!r}: N counts from 1")
         return parts[0], parts[1], int(parts[2])
 
     def before_task(self, task: Task) -> None:
-        if self.action is None or task.kind != self.kind:
+        self.on(task.kind)
+
+    def on(self, kind: str) -> None:
+        """The peer starts something of `kind`: a task, or 'relayout'."""
+        if self.action is None or kind != self.kind:
             return
         self._seen += 1
         if self._seen != self.nth:

@@ -45,6 +45,8 @@ class LayoutSnapshot:
     stage: int
     step: int
     state: dict[str, Tensor]
+    manifest: object
+    """The run's manifest of that layout (`RunManifest`)."""
 
 
 async def relayout(peer, step: int, layout: int) -> int:
@@ -54,6 +56,8 @@ async def relayout(peer, step: int, layout: int) -> int:
     old = peer.manifest
     if old.layout_version == layout:
         return peer.stage  # moved already (a repeated request)
+    if layout < old.layout_version:
+        return await _move_back(peer, step, layout)
     new = await loop.run_in_executor(None, peer.node.get_manifest, old.run_id)
     if new is None or new.layout_version != layout:
         have = "none" if new is None else new.layout_version
@@ -63,7 +67,10 @@ async def relayout(peer, step: int, layout: int) -> int:
         )
     old_stage = peer.stage
     state = await peer.scheduler.call(peer.runner.export_named_state)
-    peer.layout_snapshot = LayoutSnapshot(layout=old.layout_version, stage=old_stage, step=step, state=state)
+    peer.layout_snapshot = LayoutSnapshot(
+        layout=old.layout_version, stage=old_stage, step=step, state=state, manifest=old
+    )
+    peer._faults.on("relayout")  # tests: die in the middle of a move
     records = await peer.node.peers_async(old.run_id)
     memory = await loop.run_in_executor(None, stage_memory_figures, new)
     fits = [True] * new.num_stages
@@ -74,6 +81,9 @@ async def relayout(peer, step: int, layout: int) -> int:
         here = [r for r in records if r.layout == layout and r.peer_id != peer.peer_id]
         stage = choose_stage(new, here, fits, peer.capacity, peer_id=peer.peer_id)
     start, end = new.stage_span(stage)
+    if stage == old_stage and (start, end) == old.stage_span(old_stage):  # nothing changes hands
+        peer.manifest, peer._memory = new, memory
+        return await _announce(peer, new, stage, old_stage, old.layout_version, step)
     merged: dict[str, Tensor] = {}
     for j in range(old.num_stages):
         a, b = old.stage_span(j)
@@ -88,13 +98,38 @@ async def relayout(peer, step: int, layout: int) -> int:
         raise RemoteError(
             f"the blocks gathered for stage {stage} do not fit: {e}", cause=Cause.OWN_FAILURE
         ) from None
+    return await _announce(peer, new, stage, old_stage, old.layout_version, step)
+
+
+async def _announce(peer, new, stage: int, old_stage: int, old_layout: int, step: int) -> int:
+    """Tell the swarm (refresh routes, heartbeat) that `peer` serves `stage` of layout `new`."""
+    peer.stage = stage
     await peer.refresh_replicas()
     await peer._heartbeat()
+    start, end = new.stage_span(stage)
     logger.warning(
         "moved to layout %d at step %d: stage %d (blocks %d-%d), was stage %d of layout %d",
-        layout, step, stage, start, end - 1, old_stage, old.layout_version,
+        new.layout_version, step, stage, start, end - 1, old_stage, old_layout,
     )  # fmt: skip
     return stage
+
+
+async def _move_back(peer, step: int, layout: int) -> int:
+    """A move that did not complete: take the stage of layout `layout` back from the snapshot
+    this peer kept of it."""
+    snap = peer.layout_snapshot
+    if snap is None or snap.layout != layout or snap.step != step:
+        raise RemoteError(
+            f"asked back to layout {layout} at step {step}, but this peer holds no snapshot of it",
+            cause=Cause.OWN_FAILURE,
+        )
+    loop = asyncio.get_running_loop()
+    memory = await loop.run_in_executor(None, stage_memory_figures, snap.manifest)
+    moved_from = peer.stage
+    peer.manifest, peer._memory = snap.manifest, memory
+    peer._take_stage(snap.stage)
+    await peer.service.install_named_state(snap.state, step)
+    return await _announce(peer, snap.manifest, snap.stage, moved_from, layout, step)
 
 
 async def _fetch(peer, records, layout: int, stage: int, step: int) -> dict[str, Tensor]:

@@ -118,6 +118,8 @@ class Trainer:
         self.step = 0
         self.layout_moves: list[tuple[int, int, float]] = []
         """(step, layout version, seconds training paused) of each layout move this trainer made."""
+        self.failed_layouts: set[int] = set()
+        """Layout versions a move to failed (and was undone): not tried again."""
         self.trainer_id = self.node.peer_id  # in full: stage 0 checks its microbatch ids against it
         self.known_step: dict[str, int] = {}
         self._published = None
