@@ -371,7 +371,7 @@ def replan_text(replan: dict) -> str:
     bounds = replan["stage_bounds"]
     spans = ", ".join(f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:], strict=False))
     gain = replan["gain"]
-    gain_text = "from a stalled layout" if gain == float("inf") else f"{gain:+.0%}"
+    gain_text = "from a stalled layout" if gain is None else f"{gain:+.0%}"
     held = (
         f"held {replan['streak']} of {replan['patience']} polls"
         if replan["streak"]

@@ -108,6 +108,7 @@ def test_the_gate_holds_the_layout_when_the_gain_is_short_lived():
 
 def test_from_a_stalled_layout_any_proposal_gains():
     assert proposal(10.0, current=0.0).gain == float("inf")
+    assert proposal(10.0, current=0.0).to_dict()["gain"] is None  # JSON has no inf
     gate = LayoutGate(ReplanConfig(min_gain=0.5, patience=1))
     assert gate.observe(proposal(10.0, current=0.0)) is not None
 

@@ -21,6 +21,11 @@ class ManifestSummary(BaseModel):
     num_blocks: int
     num_stages: int
     stage_bounds: list[int] = Field(description="Stage k holds blocks [b[k], b[k+1]).")
+    layout_version: int = Field(
+        description="Version of the run's layout (0: pending, the stages are planned once peers come)."
+    )
+    layout_note: str = Field(description="Why the layout is what it is ('' for one set with the run).")
+    layout_at: float = Field(description="DHT time the layout was planned (0: set with the run).")
     batch: dict
     optimizer: dict
     max_steps: int = Field(description="Steps the run aims for (0: until stopped).")
@@ -76,6 +81,7 @@ class PeerView(BaseModel):
     bytes_received: int
     raw_bytes_sent: int
     checkpoints: list[int] = Field(description="Steps of the checkpoints of its stage the peer holds.")
+    layout: int = Field(description="Stage peers: the layout version whose stage they serve.")
     quantize: str | None = Field(
         description="Rollout peers: '8bit' or '4bit' when their policy copies are quantized; null: full precision."
     )
@@ -212,6 +218,20 @@ class LayoutPrediction(BaseModel):
     stage_peers: int = Field(description="Serving stage peers in the layout.")
 
 
+class LayoutReplan(BaseModel):
+    """The layout the planner would give the serving peers now, against theirs."""
+
+    stage_bounds: list[int]
+    assignments: dict[str, int] = Field(description="Stage of each peer the proposal gives one.")
+    current_tokens_per_s: float = Field(description="Predicted tokens/s of the live layout.")
+    planned_tokens_per_s: float = Field(description="Predicted tokens/s of the proposal.")
+    gain: float | None = Field(description="planned / current - 1 (null from a stalled layout).")
+    streak: int = Field(description="Polls in a row the proposal has cleared min_gain.")
+    patience: int = Field(description="Polls in a row a move would need.")
+    min_gain: float
+    sustained: bool = Field(description="The gain has held for `patience` polls.")
+
+
 class SeriesView(BaseModel):
     """Bounded time series; the swarm-level lists are aligned with `t`."""
 
@@ -246,6 +266,10 @@ class SwarmSnapshot(BaseModel):
     prediction: LayoutPrediction | None = Field(
         description="What the planner's cost model predicts for the live layout; null without a "
         "manifest or while a stage has no serving replica."
+    )
+    replan: LayoutReplan | None = Field(
+        description="The layout the planner would give the serving peers now (`coordinator --replan` moves "
+        "the swarm to one that keeps its gain); null when it would keep theirs, or cannot say."
     )
     series: SeriesView
     events: list[EventView] = Field(description="Event log, newest last.")

@@ -252,7 +252,7 @@ function render(view) {
   const layout = !m ? [] : m.layout_version === 0 ? [`layout ${m.layout_note}`] :
     m.layout_note ? [`layout ${m.layout_version}: ${m.layout_note}`] : [];
   const r = view.replan;
-  if (r && isFinite(r.gain))
+  if (r && r.gain !== null)
     layout.push(`a re-plan would predict ${Math.round(r.planned_tokens_per_s)} tokens/s ` +
       `(${r.gain >= 0 ? "+" : ""}${Math.round(100 * r.gain)}%, held ${r.streak}/${r.patience} polls)`);
   document.getElementById("layout").textContent = layout.join(" \u00b7 ");

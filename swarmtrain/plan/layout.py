@@ -75,7 +75,7 @@ class LayoutProposal:
             "assignments": dict(self.assignments),
             "current_tokens_per_s": self.current_tokens_per_s,
             "planned_tokens_per_s": self.planned_tokens_per_s,
-            "gain": self.gain,
+            "gain": self.gain if math.isfinite(self.gain) else None,  # JSON has no inf
         }
 
 
