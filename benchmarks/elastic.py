@@ -24,6 +24,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig
 from swarmtrain.peers.probe import probe
@@ -117,6 +118,79 @@ def measure_joins(slowdowns: list[float], small: int, min_peers: int, steps: int
     }
 
 
+def measure_live(variant: str, steps: int, tmp: Path) -> dict:
+    """Two stages on two peers of equal speed; after WARMUP_STEPS + 3 steps stage 1's peer
+    turns 4x slower (a throttled or shared GPU) and stays so. `variant`: 'live' (`--replan`:
+    the owner re-plans from measured speeds and the trainer moves the swarm), 'even' (the even
+    split kept), 'planned_once' (`--min-peers 2`: planned from the peers as they came, kept).
+    Tokens/s of `steps` steps once the change has settled (after the move, for 'live')."""
+    slow = tmp / f"slowdown-{variant}"
+    replan = ("--replan", "--replan-gain", "0.3", "--replan-patience", "2", "--replan-every", "1")
+    config = LocalSwarmConfig(
+        model_config=MODEL,
+        num_stages=2,
+        min_peers=2 if variant == "planned_once" else 0,
+        stage_args={
+            k: ("--rebalance-every", "0", *(("--slowdown-file", str(slow)) if k == 1 else ()))
+            for k in range(2)
+        },  # fmt: skip
+        coordinator_args=replan if variant == "live" else (),
+        batch=BATCH,
+        log_dir=str(tmp / variant),
+    )
+    data = TokenBatches(
+        stdlib_text(2**22), seq_len=MODEL["seq_len"], microbatch_size=BATCH.microbatch_size, seed=0
+    )
+    settle = WARMUP_STEPS + 3 + 20  # the throttle, then time for a re-plan and a move
+    with LocalSwarm(config) as swarm, swarm.trainer() as trainer:
+        results = []
+        for result in trainer.train(data, steps=settle + steps + 200):
+            results.append(result)
+            if len(results) == WARMUP_STEPS + 3:
+                slow.write_text("4")
+            settled = len(results) >= settle and (variant != "live" or trainer.layout_moves)
+            if (
+                settled
+                and len(results) >= settle + steps
+                and (variant != "live" or trainer.layout_moves[-1][0] < len(results) - steps)
+            ):
+                break
+        manifest, moves = trainer.manifest, list(trainer.layout_moves)
+    timed = results[-steps:]
+    return {
+        "stage_bounds": list(manifest.stage_bounds),
+        "layout_version": manifest.layout_version,
+        "moves": [{"step": s, "layout": v, "paused_s": p} for s, v, p in moves],
+        "tokens_per_s_median": statistics.median(r.tokens_per_s for r in timed),
+        "steps": len(results),
+    }
+
+
+def main_live(args) -> None:
+    import tempfile
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="elastic-live-") as tmp:
+        runs = {v: measure_live(v, args.steps, Path(tmp)) for v in ("even", "planned_once", "live")}
+    print(
+        json.dumps(
+            {
+                "benchmark": "elastic --live",
+                "aim": "live re-planning >= 1.3x the even split kept fixed, and not below a layout planned once",
+                "model": MODEL,
+                "batch": BATCH.to_dict(),
+                "scenario": "2 stages, 2 equal peers; stage 1's peer turns 4x slower after 5 steps",
+                "runs": runs,
+                "live_vs_even": runs["live"]["tokens_per_s_median"] / runs["even"]["tokens_per_s_median"],
+                "live_vs_planned_once": runs["live"]["tokens_per_s_median"]
+                / runs["planned_once"]["tokens_per_s_median"],
+                "elapsed_s": time.monotonic() - started,
+            },
+            indent=2,
+        )
+    )
+
+
 def main_joins(args) -> None:
     slowdowns = [float(s) for s in args.slowdowns.split(",")]
     started = time.monotonic()
@@ -162,7 +236,13 @@ def main() -> None:
         help="with --joins: the n-th peer (1-based) has little memory; 0: none",
     )
     parser.add_argument("--stages", type=int, default=3, help="with --joins: the run's stages (default 3)")
+    parser.add_argument(
+        "--live", action="store_true", help="live re-planning vs an even split and a layout planned once"
+    )
     args = parser.parse_args()
+    if args.live:
+        main_live(args)
+        return
     if args.joins:
         if args.slowdowns == "1,1,4,4":
             args.slowdowns = "1,1,2,4,4,1"

@@ -16,9 +16,9 @@ reading they are given: any peer that read the same records would plan the same 
 
 Later, `replan_proposal` asks the same planner what layout the serving peers would get now,
 against the one they have (`swarmtrain.plan.layout`: a proposal, and the hysteresis a move
-would need); the dashboard and `status` show it. Moving a running swarm to it (blocks
-changing hands at a step boundary) is not built yet: the layout stays as first planned, and
-peers still move one at a time between its stages (`placement.StageRebalancer`).
+needs); the dashboard and `status` show it, and a coordinator with `--replan` publishes it as
+the next layout version once it holds, which the trainer moves the swarm to between two steps
+(`peers/trainer_layout.py`, `peers/relayout.py`).
 """
 
 from __future__ import annotations
