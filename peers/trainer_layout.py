@@ -55,9 +55,12 @@ async def follow_layout(trainer, *, force: bool = False) -> float | None:
     # between two of this trainer's steps; before its first, at the step the idle peers are at
     step = trainer.step if not force else max(r.step for r in behind)
 
-    async def move(r, layout: int) -> int | None:
+    async def move(r, layout: int, stage: int | None = None) -> int | None:
+        """Ask `r`'s peer, serving `stage` now (default: its record's), to move to `layout`."""
         meta = Relayout(layout=layout).to_meta()
-        frame = Frame(kind="step", run_id=run_id, stage=r.stage, step=step, meta=meta)
+        frame = Frame(
+            kind="step", run_id=run_id, stage=r.stage if stage is None else stage, step=step, meta=meta
+        )
         try:
             reply = await trainer.transport.call(
                 r.peer_id, trainer.handler, frame, timeout_s=RELAYOUT_TIMEOUT_S
@@ -74,8 +77,8 @@ async def follow_layout(trainer, *, force: bool = False) -> float | None:
     unserved = sorted(set(range(new.num_stages)) - served)
     if unserved:  # back to the layout the peers came from: those that moved kept its state
         old_version = min(r.layout for r in behind)
-        await asyncio.gather(
-            *(move(r, old_version) for r, s in zip(behind, moved, strict=True) if s is not None)
+        await asyncio.gather(  # each from the stage it moved to
+            *(move(r, old_version, s) for r, s in zip(behind, moved, strict=True) if s is not None)
         )
         trainer.failed_layouts.add(new.layout_version)
         if trainer.manifest.layout_version != old_version:  # routes go by version; the stage count is kept

@@ -28,13 +28,10 @@ def batches():
     return TokenBatches(stdlib_text(2**20), seq_len=MODEL["seq_len"], microbatch_size=4, seed=SEED)
 
 
-def test_a_layout_move_mid_run_keeps_loss_parity(local_swarm, tmp_path):
-    """Two stages split evenly over two equal peers; after a few steps stage 1's peer turns 4x
-    slower. The owner re-plans from the measured speeds (stage 1 gets fewer blocks), the trainer
-    moves the swarm between two steps, and every step's loss, before and after the move, equals
-    single-process training's."""
-    slow = tmp_path / "slowdown"
-    swarm = local_swarm(
+def replanning_swarm(local_swarm, slow):
+    """Two stages, one peer each, split evenly; stage 1's peer is as slow as the number in the
+    file `slow` says (once written); the coordinator re-plans every second."""
+    return local_swarm(
         model_config=MODEL,
         num_stages=2,
         seed=SEED,
@@ -43,6 +40,25 @@ def test_a_layout_move_mid_run_keeps_loss_parity(local_swarm, tmp_path):
         stage_args={0: STILL, 1: (*STILL, "--slowdown-file", str(slow))},
         coordinator_args=REPLAN,
     )
+
+
+def assert_parity(results) -> None:
+    """Every step, in order, with the losses of single-process training."""
+    assert [r.step for r in results] == list(range(len(results)))
+    reference = reference_losses(
+        seed=SEED, optimizer=OPTIMIZER, batches=batches(), steps=len(results), microbatches_per_step=4,
+        model_config=MODEL,
+    )  # fmt: skip
+    assert_losses_match_reference(results, reference)
+
+
+def test_a_layout_move_mid_run_keeps_loss_parity(local_swarm, tmp_path):
+    """Two stages split evenly over two equal peers; after a few steps stage 1's peer turns 4x
+    slower. The owner re-plans from the measured speeds (stage 1 gets fewer blocks), the trainer
+    moves the swarm between two steps, and every step's loss, before and after the move, equals
+    single-process training's."""
+    slow = tmp_path / "slowdown"
+    swarm = replanning_swarm(local_swarm, slow)
     slow_id = swarm.wait_ready("stage1-2")
     results, after = [], 0
     with swarm.trainer() as trainer:
@@ -65,31 +81,19 @@ def test_a_layout_move_mid_run_keeps_loss_parity(local_swarm, tmp_path):
     assert manifest.layout_note.startswith("re-planned from"), manifest.layout_note
     assert sorted((r.stage, r.layout) for r in records) == [(0, 2), (1, 2)], records
     assert paused < 30, paused
-    assert [r.step for r in results] == list(range(len(results)))
-    reference = reference_losses(
-        seed=SEED, optimizer=OPTIMIZER, batches=batches(), steps=len(results), microbatches_per_step=4,
-        model_config=MODEL,
-    )  # fmt: skip
-    assert_losses_match_reference(results, reference)
+    assert_parity(results)
 
 
 def test_a_peer_killed_during_a_move_leaves_the_swarm_on_one_layout(local_swarm, tmp_path):
-    """Stage 1 has two replicas; one of them dies (kill -9) in the middle of the move, once it
-    kept its old stage's state. Whether the others complete the move without it or undo it,
-    the swarm ends on one layout with every stage served, and training goes on with parity."""
+    """Stage 1 has two replicas; the fast one dies (kill -9) in the middle of the move, once it
+    kept its old stage's state. Whether the others complete the move without it or undo it (the
+    peers that moved take their old stage back from their snapshot), the swarm ends on one
+    layout with every stage served, and training goes on with parity."""
     slow = tmp_path / "slowdown"
-    swarm = local_swarm(
-        model_config=MODEL,
-        num_stages=2,
-        seed=SEED,
-        optimizer=OPTIMIZER,
-        batch=BATCH,
-        stage_args={0: STILL, 1: (*STILL, "--slowdown-file", str(slow))},
-        coordinator_args=REPLAN,
-    )
-    doomed = swarm.spawn_stage(
-        1, extra_args=(*STILL, "--slowdown-file", str(slow), "--inject-fault", "kill:relayout:1")
-    )
+    swarm = replanning_swarm(local_swarm, slow)
+    # at full speed: the re-plan keeps it (the slow replica may go), so its death usually
+    # leaves a stage of the new layout without a peer and the move is undone
+    doomed = swarm.spawn_stage(1, extra_args=(*STILL, "--inject-fault", "kill:relayout:1"))
     results, after = [], 0
     with swarm.trainer() as trainer:
         for result in trainer.train(batches(), steps=150):
@@ -104,13 +108,8 @@ def test_a_peer_killed_during_a_move_leaves_the_swarm_on_one_layout(local_swarm,
             r for r in trainer.node.peers(manifest.run_id) if r.role == "stage" and r.state == "serving"
         ]
         records = [r for r in records if r.peer_id != swarm.wait_ready(doomed)]  # its record may outlive it
-    assert after == 5, f"the doomed peer never moved in {len(results)} steps:\\n{swarm.log_tail(doomed)}"
+    assert after == 5, f"the doomed peer never moved in {len(results)} steps:\n{swarm.log_tail(doomed)}"
     assert swarm.procs[doomed].wait(timeout=30) == -9
     assert {r.layout for r in records} == {manifest.layout_version}, (manifest.layout_version, records)
     assert {r.stage for r in records} == {0, 1}, records
-    reference = reference_losses(
-        seed=SEED, optimizer=OPTIMIZER, batches=batches(), steps=len(results), microbatches_per_step=4,
-        model_config=MODEL,
-    )  # fmt: skip
-    assert [r.step for r in results] == list(range(len(results)))
-    assert_losses_match_reference(results, reference)
+    assert_parity(results)

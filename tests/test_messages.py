@@ -142,7 +142,7 @@ def test_bad_fields_are_refused_by_name(record, meta, match):
 def test_an_unknown_commit_phase_is_refused():
     with pytest.raises(
         BadFrameError,
-        match=r"unknown commit phase 'launch' \(known: prepare, exchange, apply, abort, rollback, claim, status\)",
+        match=r"unknown commit phase 'launch' \(known: prepare, exchange, apply, abort, rollback, relayout, claim, status\)",
     ):
         CommitRequest.parse({"phase": "launch"})
     with pytest.raises(BadFrameError, match="unknown commit phase None"):
