@@ -26,7 +26,7 @@ from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.frames import PREFIX, Frame, encode_frame
 from swarmtrain.wire.messages import Abort, Apply, Exchange, GradsMeta, Prepare
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig, PeerRecord, RunManifest
-from tests.conftest import TINY_GPT, assert_trains_like_the_reference
+from tests.conftest import TINY_GPT, assert_trains_like_the_reference, wait_until
 
 pytestmark = pytest.mark.swarm
 
@@ -212,7 +212,10 @@ def test_a_forged_step_draws_no_resync_and_a_forged_manifest_runs_no_code(swarm,
     forger = SwarmNode(swarm.node_config())
     try:
         record = PeerRecord(peer_id=forger.peer_id, role="stage", stage=1, step=10**6, since=0.0)
-        assert forger.announce(RUN, record, ttl_s=120)
+        # a node just started may find no DHT peer to store on yet: poll until the store lands
+        wait_until(
+            lambda: forger.announce(RUN, record, ttl_s=120), timeout_s=30, what="the forged record stored"
+        )
         evil = RunManifest(
             run_id="evil",
             model="os:system",
