@@ -26,7 +26,7 @@ import logging
 from torch import Tensor
 
 from swarmtrain.errors import BadFrameError, Cause, RemoteError
-from swarmtrain.train.placement import choose_stage, stage_memory_figures
+from swarmtrain.train.placement import choose_stage, stage_memory_figures, stages_that_fit
 from swarmtrain.transport import handler_name
 from swarmtrain.transport.in_turn import ask_in_turn
 from swarmtrain.wire.frames import Frame, error_frame
@@ -73,9 +73,7 @@ async def relayout(peer, step: int, layout: int) -> int:
     peer._faults.on("relayout")  # tests: die in the middle of a move
     records = await peer.node.peers_async(old.run_id)
     memory = await loop.run_in_executor(None, stage_memory_figures, new)
-    fits = [True] * new.num_stages
-    if peer.config.max_memory_bytes is not None:
-        fits = [s + new.batch.max_in_flight * a <= peer.config.max_memory_bytes for s, a in memory]
+    fits = stages_that_fit(new, memory, peer.config.max_memory_bytes)
     stage = new.assignments.get(peer.peer_id)
     if stage is None or not fits[stage]:
         here = [r for r in records if r.layout == layout and r.peer_id != peer.peer_id]
@@ -183,7 +181,7 @@ async def serve_layout_state(peer, frame: Frame, caller: str, layout: int) -> Fr
         return error_frame(
             run_id, "only the run's stage peers read stage state for a layout move", cause=Cause.UNAUTHORIZED
         )
-    snapshot = getattr(peer, "layout_snapshot", None)
+    snapshot = peer.layout_snapshot
     if peer.manifest.layout_version == layout and peer.stage == frame.stage:
         step, state = await peer.scheduler.call(lambda: (peer.runner.step, peer.runner.export_named_state()))
     elif snapshot is not None and (snapshot.layout, snapshot.stage) == (layout, frame.stage):

@@ -52,7 +52,7 @@ from swarmtrain.swarm import SwarmNode, stage_replicas
 from swarmtrain.train.authority import RunAuthority, StepClaims
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.layout import await_first_layout
-from swarmtrain.train.placement import choose_stage, stage_memory_figures
+from swarmtrain.train.placement import choose_stage, stage_memory_figures, stages_that_fit
 from swarmtrain.train.run_length import finished_message, is_finished
 from swarmtrain.train.service import StageService
 from swarmtrain.train.serving import ServeCounters
@@ -161,15 +161,14 @@ class StagePeer:
             if manifest.layout_version == 0:
                 return  # stopped while waiting
         self._memory = await self._loop.run_in_executor(None, stage_memory_figures, manifest)
-        fits = [True] * manifest.num_stages
-        if cfg.max_memory_bytes is not None:
-            needs = [state + manifest.batch.max_in_flight * act for state, act in self._memory]
-            fits = [n <= cfg.max_memory_bytes for n in needs]
-            if cfg.stage is not None and manifest.stage_span(cfg.stage) and not fits[cfg.stage]:
-                raise ConfigError(
-                    f"stage {cfg.stage} needs about {needs[cfg.stage] / 2**20:.1f} MiB, more than --max-memory "
-                    f"{cfg.max_memory_bytes / 2**20:.1f} MiB: pick another --stage or raise --max-memory"
-                )
+        fits = stages_that_fit(manifest, self._memory, cfg.max_memory_bytes)
+        if cfg.stage is not None and manifest.stage_span(cfg.stage) and not fits[cfg.stage]:
+            state, act = self._memory[cfg.stage]
+            need = state + manifest.batch.max_in_flight * act
+            raise ConfigError(
+                f"stage {cfg.stage} needs about {need / 2**20:.1f} MiB, more than --max-memory "
+                f"{cfg.max_memory_bytes / 2**20:.1f} MiB: pick another --stage or raise --max-memory"
+            )
         planned = manifest.assignments.get(self.peer_id)
         if cfg.stage is None and planned is not None and fits[planned]:
             self.stage = planned  # the layout was planned with this peer on it

@@ -335,3 +335,13 @@ def stage_memory_figures(manifest: RunManifest) -> list[tuple[int, int]]:
             )
         )
     return out
+
+
+def stages_that_fit(
+    manifest: RunManifest, memory: Sequence[tuple[int, int]], max_memory_bytes: float | None
+) -> list[bool]:
+    """Which stages a peer with `max_memory_bytes` holds (None: any): a stage's state and
+    `max_in_flight` microbatches of its activations (`memory`: `stage_memory_figures`)."""
+    if max_memory_bytes is None:
+        return [True] * manifest.num_stages
+    return [state + manifest.batch.max_in_flight * act <= max_memory_bytes for state, act in memory]
