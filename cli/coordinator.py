@@ -83,9 +83,10 @@ def coordinator(
         bool,
         typer.Option(
             "--replan/--no-replan",
-            help="Re-plan the running swarm's layout from its serving peers' measured speeds, and move "
-            "the swarm to a plan that beats the live layout by more than --replan-gain for "
-            "--replan-patience checks in a row (blocks change hands between two steps).",
+            help="Let the run re-plan its layout as it runs: its lead trainer plans the serving peers "
+            "from their measured speeds and moves the swarm to a plan that beats the live layout by more "
+            "than --replan-gain for --replan-patience checks in a row (blocks change hands between two "
+            "steps). The rule goes in the manifest: layouts change with or without this coordinator.",
         ),
     ] = False,
     replan_gain: Annotated[
@@ -366,8 +367,11 @@ def coordinator(
             num_stages=stages,
             stage_bounds=parse_stage_bounds(stage_bounds),
             first_layout=FirstLayoutConfig(min_peers=min_peers, plan_wait_s=plan_wait) if min_peers else None,
-            replan=ReplanConfig(min_gain=replan_gain, patience=replan_patience) if replan else None,
-            replan_s=replan_every,
+            replan=(
+                ReplanConfig(min_gain=replan_gain, patience=replan_patience, every_s=replan_every)
+                if replan
+                else None
+            ),
             optimizer=OptimizerConfig(
                 name=optimizer,
                 lr=lr,

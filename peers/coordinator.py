@@ -26,7 +26,6 @@ import random
 import secrets
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from swarmtrain.errors import ConfigError
 from swarmtrain.model import build_model
 from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.dashboard.config import DashboardConfig
-from swarmtrain.plan import LayoutGate, ReplanConfig
+from swarmtrain.plan import ReplanConfig
 from swarmtrain.swarm import NodeConfig, SwarmNode
 from swarmtrain.train.archive import RUN_FORMAT, read_meta
 from swarmtrain.train.authority import committed_step, read_points
@@ -57,10 +56,6 @@ from swarmtrain.wire.records import (
 from swarmtrain.wire.rl_config import RLConfig
 
 logger = logging.getLogger(__name__)
-
-MOVE_GRACE_S = 20.0
-"""Seconds a trainer has to move the swarm to a new layout (it looks every 2 s; a move pauses
-training, so steps that go on past this without it mean the move failed and was undone)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,12 +119,12 @@ class CoordinatorConfig:
     dashboard: DashboardConfig | None = None
     """Serve the swarm dashboard from this process; None: no dashboard."""
     replan: ReplanConfig | None = None
-    """Re-plan the layout of the running swarm (`--replan`): every `replan_s`, the planner's layout
-    for the serving peers at their measured speeds; one that beats the live layout by more than
-    `replan.min_gain` for `replan.patience` checks in a row is published as the next layout
-    version, and the trainer moves the swarm to it between two steps. None: the layout stays."""
-    replan_s: float = 10.0
-    """Seconds between re-plan checks."""
+    """The run's rule for re-planning its layout while it runs (`--replan`; the manifest carries
+    it): every `replan.every_s`, the lead trainer asks the planner for a layout of the serving
+    peers at their measured speeds, and moves the swarm to one that beats the live layout by
+    more than `replan.min_gain` for `replan.patience` checks in a row, between two steps
+    (`peers/trainer_layout.py`). This coordinator signs each such layout into its manifest.
+    None: the layout stays."""
 
     def __post_init__(self):
         check_run_id(self.run_id)
@@ -144,8 +139,6 @@ class CoordinatorConfig:
                 "--replan moves blocks between stages, which RL runs' policy versions and the archivist's "
                 "checkpoints do not follow yet: leave out --replan, or --task and --checkpoint-dir"
             )
-        if self.replan_s <= 0:
-            raise ConfigError(f"--replan-every must be > 0 seconds, got {self.replan_s}")
         if self.first_layout is not None and (self.stage_bounds is not None or self.resume):
             raise ConfigError(
                 "--min-peers plans the stage bounds from the peers that come: leave out --stage-bounds "
@@ -203,6 +196,7 @@ def make_manifest(config: CoordinatorConfig) -> RunManifest:
         instance=secrets.token_hex(6),
         allow_reinit=config.allow_reinit,
         restore_lost_stage_only=config.restore_lost_stage_only,
+        replan=config.replan,
         **(
             {"layout_version": 0, "layout_note": pending_note(config.first_layout)}
             if config.first_layout is not None
@@ -226,7 +220,9 @@ def _manifest_from(config: CoordinatorConfig) -> RunManifest:
             meta["manifest"] | {"trainers": list(config.trainers), "weight_readers": config.weight_readers}
         )
         # a new timeline: checkpoints the stopped run wrote after this one are not its own
-        return dataclasses.replace(manifest, init_from=where, resume=True, instance=secrets.token_hex(6))
+        return dataclasses.replace(
+            manifest, init_from=where, resume=True, instance=secrets.token_hex(6), replan=config.replan
+        )
     model, options = meta["model"], meta["model_config"]
     if (model, options) != (config.model, dict(config.model_config)):
         raise ConfigError(
@@ -270,17 +266,11 @@ class Coordinator:
             self.archivist = Archivist(self.node, self.manifest, config.checkpoint_dir)
         self._closed = threading.Event()
         self._started = time.monotonic()
-        self._replan_gate = LayoutGate(config.replan)
-        self._replan_checked = time.monotonic()
-        self._replan_costs = None
-        self._replan_progress = self._moved_at_progress = 0
-        self._moved_at = 0.0
-        self._layouts: dict[int, RunManifest] = {}
-        """Every layout version this coordinator saw of its run, to go back to after a failed move."""
         self.progress = 0
         """One past the furthest step an authorized trainer reported committed, as last seen."""
         self.on_layout = lambda message: logger.info("%s", message)
-        """Called with a line for people when this coordinator plans its run's first layout."""
+        """Called with a line for people when this coordinator plans its run's first layout, or
+        signs a layout its trainers moved the run to."""
         self.finished = False
         """The run's last step was committed (`run_length.run_is_over`); announced in the record."""
         self._publish()
@@ -328,7 +318,7 @@ class Coordinator:
         every = self.config.republish_s
         if self.layout_pending:  # look for candidates every second
             return min(1.0, every)
-        return min(every, self.config.replan_s) if self.config.replan is not None else every
+        return every
 
     @property
     def layout_pending(self) -> bool:
@@ -347,68 +337,20 @@ class Coordinator:
         self.manifest = first_layout(m, records, now=get_dht_time())
         self.on_layout(f"run {m.run_id!r}: layout 1: {self.manifest.layout_note}")
 
-    def _consider_replan(self) -> None:
-        """One re-plan check (`--replan`), while trainers make progress: publish the next layout
-        once the gate lets a proposal through; when the swarm did not follow the latest layout
-        (a move that failed and was undone), publish the layout it is on as the next version."""
-        from swarmtrain.train.layout import replan_note, replan_proposal
-        from swarmtrain.train.placement import manifest_costs
-
+    def _adopt_layout(self) -> None:
+        """Sign into the manifest the layout the run's trainers moved it to, where it is newer
+        (`wire.layout_record.apply_layout`), so it outlives their layout records."""
         m = self.manifest
-        self._layouts[m.layout_version] = m
-        training, self._replan_progress = self.progress > self._replan_progress, self.progress
-        serving = [r for r in self.node.peers(m.run_id) if r.role == "stage" and r.state == "serving"]
-        versions = Counter(r.layout for r in serving)
-        live = max(versions, key=lambda v: (versions[v], v)) if versions else m.layout_version
-        if live != m.layout_version:  # a move under way, or one the trainer undid
-            trained_on = self.progress > self._moved_at_progress + 2  # steps, yet no move
-            if live in self._layouts and trained_on and time.monotonic() - self._moved_at > MOVE_GRACE_S:
-                back = self._layouts[live]
-                self._publish_layout(
-                    dataclasses.replace(
-                        back, assignments={r.peer_id: r.stage for r in serving if r.layout == live}
-                    ),
-                    f"the move to layout {m.layout_version} did not complete: layout {live}'s stages again",
-                )
-            return
-        if not training:
-            return
-        if self._replan_costs is None or self._replan_costs[0] != (m.run_id, m.stage_bounds):
-            self._replan_costs = ((m.run_id, m.stage_bounds), manifest_costs(m))
-        live_records = [r for r in serving if r.layout == m.layout_version]
-        proposal = self._replan_gate.observe(replan_proposal(m, live_records, self._replan_costs[1]))
-        if proposal is not None:
-            planned = dataclasses.replace(
-                m, stage_bounds=proposal.stage_bounds, assignments=dict(proposal.assignments)
-            )
-            self._publish_layout(planned, replan_note(proposal, m.layout_version))
-
-    def _publish_layout(self, layout: RunManifest, note: str) -> None:
-        """Make `layout`'s stages and assignments the run's next layout version."""
-        m = self.manifest
-        self.manifest = dataclasses.replace(
-            m,
-            stage_bounds=layout.stage_bounds,
-            assignments=dict(layout.assignments),
-            layout_version=m.layout_version + 1,
-            layout_at=get_dht_time(),
-            layout_note=note,
-        )
-        self._layouts[self.manifest.layout_version] = self.manifest
-        self._moved_at_progress, self._moved_at = self.progress, time.monotonic()
-        self._replan_gate = LayoutGate(self.config.replan)
-        self.on_layout(f"run {m.run_id!r}: layout {self.manifest.layout_version}: {note}")
+        newest = self.node.get_manifest(m.run_id, prefer_own=True)
+        if newest is not None and newest.layout_version > m.layout_version:
+            self.manifest = newest
+            self.on_layout(f"run {m.run_id!r}: layout {newest.layout_version}: {newest.layout_note}")
 
     def _publish(self) -> None:
         if self.is_owner and self.layout_pending:
             self._plan_first_layout()
-        elif (
-            self.is_owner
-            and self.config.replan is not None
-            and time.monotonic() - self._replan_checked >= self.config.replan_s
-        ):
-            self._replan_checked = time.monotonic()
-            self._consider_replan()
+        elif self.is_owner and self.manifest.replan is not None:
+            self._adopt_layout()
         m = self.manifest
         if self.is_owner:
             self.node.publish_manifest(m, ttl_s=MANIFEST_TTL_S)

@@ -380,7 +380,7 @@ def replan_text(replan: dict) -> str:
     return (
         f"re-plan: these peers would get blocks {spans} ({len(replan['assignments'])} serving), "
         f"{replan['planned_tokens_per_s']:.0f} tokens/s predicted ({gain_text}, {held}); "
-        "a coordinator with --replan moves the swarm to such a layout once it holds"
+        "a run with --replan moves to such a layout once it holds"
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -36,8 +37,9 @@ from swarmtrain.model.param_names import model_from_states
 from swarmtrain.model.registry import NO_IMPORTS
 from swarmtrain.peers.faults import CallFault
 from swarmtrain.peers.trainer_config import TrainerConfig, check_authorized, shard_of
-from swarmtrain.peers.trainer_layout import follow_layout
+from swarmtrain.peers.trainer_layout import follow_layout, plan_layout
 from swarmtrain.peers.trainer_presence import TrainerPresence
+from swarmtrain.plan import LayoutGate
 from swarmtrain.schedule import InFlightWindow, ReadinessRouter, RoundRobinRouter, WindowConfig
 from swarmtrain.swarm import SwarmNode, stage_replicas
 from swarmtrain.train.authority import claim_limit, committed_step, read_points
@@ -120,6 +122,13 @@ class Trainer:
         """(step, layout version, seconds training paused) of each layout move this trainer made."""
         self.failed_layouts: set[int] = set()
         """Layout versions a move to failed (and was undone): not tried again."""
+        self.layout_checked = -math.inf
+        """When (monotonic) this trainer last read the run's layout (`follow_layout`)."""
+        self.replan_checked = time.monotonic()
+        """When this trainer last re-planned the run's layout (`plan_layout`)."""
+        self.layout_gate = LayoutGate(self.manifest.replan)
+        self.replan_costs = None
+        """The run's per-block costs for re-planning, once traced; False: this trainer cannot."""
         self.trainer_id = self.node.peer_id  # in full: stage 0 checks its microbatch ids against it
         self.known_step: dict[str, int] = {}
         self._published = None
@@ -478,7 +487,8 @@ class Trainer:
                 items = feed.take(self.step)
                 if items is None:
                     return
-                self._run(follow_layout(self))  # the run's owner re-planned its layout: move to it first
+                self._run(plan_layout(self))  # the lead trainer re-plans the run's layout
+                self._run(follow_layout(self))  # a newer layout of the run: move the swarm to it first
                 result = self._run_step([loss_inputs_of(item) for item in items])
                 if result.rolled_back:
                     feed.relabel(result.step)

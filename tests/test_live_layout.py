@@ -1,7 +1,9 @@
-"""Moving a running swarm to a new layout (`coordinator --replan`), on a real swarm: the owner
-re-plans from the serving peers' measured speeds, the trainer moves every stage peer between two
-steps (blocks change hands by name), and training goes on from the same step with the losses
-of an uninterrupted single-process run."""
+"""Moving a running swarm to a new layout (`coordinator --replan`), on a real swarm: the lead
+trainer re-plans from the serving peers' measured speeds, by the rule in the run's manifest,
+moves every stage peer between two steps (blocks change hands by name), and training goes on
+from the same step with the losses of an uninterrupted single-process run."""
+
+import signal
 
 import pytest
 
@@ -53,9 +55,10 @@ def assert_parity(results) -> None:
 
 
 def test_a_layout_move_mid_run_keeps_loss_parity(local_swarm, tmp_path):
-    """Two stages split evenly over two equal peers; after a few steps stage 1's peer turns 4x
-    slower. The owner re-plans from the measured speeds (stage 1 gets fewer blocks), the trainer
-    moves the swarm between two steps, and every step's loss, before and after the move, equals
+    """Two stages split evenly over two equal peers; after a few steps the coordinator dies
+    (kill -9) and stage 1's peer turns 4x slower. The trainer re-plans from the measured speeds
+    without it (stage 1 gets fewer blocks), publishes the layout signed by itself, moves the
+    swarm between two steps, and every step's loss, before and after the move, equals
     single-process training's."""
     slow = tmp_path / "slowdown"
     swarm = replanning_swarm(local_swarm, slow)
@@ -65,13 +68,17 @@ def test_a_layout_move_mid_run_keeps_loss_parity(local_swarm, tmp_path):
         for result in trainer.train(batches(), steps=150):
             results.append(result)
             if len(results) == SLOW_FROM:
+                swarm.signal("coordinator", signal.SIGKILL)  # no layout changes by the owner's hand
                 slow.write_text("4")
             after += bool(trainer.layout_moves)
             if after == 3:
                 break
         moves, manifest = list(trainer.layout_moves), trainer.manifest
         records = [r for r in trainer.node.peers(manifest.run_id) if r.role == "stage"]
-    assert after == 3, f"no layout move in {len(results)} steps:\n{swarm.log_tail('coordinator')}"
+        planners = {(r.planner, r.version) for r in trainer.node.layout_records(manifest.run_id)}
+    assert after == 3, f"no layout move in {len(results)} steps"
+    assert swarm.procs["coordinator"].wait(timeout=30) == -9
+    assert planners == {(trainer.node.peer_id, 2)}
     ((step, version, paused),) = moves
     assert step >= SLOW_FROM, moves  # mid-run, once a stage slowed down
     assert version == 2 and manifest.layout_version == 2 and manifest.stage_bounds != (0, 3, 6)
@@ -112,4 +119,47 @@ def test_a_peer_killed_during_a_move_leaves_the_swarm_on_one_layout(local_swarm,
     assert swarm.procs[doomed].wait(timeout=30) == -9
     assert {r.layout for r in records} == {manifest.layout_version}, (manifest.layout_version, records)
     assert {r.stage for r in records} == {0, 1}, records
+    assert_parity(results)
+
+
+def test_a_move_that_leaves_a_stage_without_a_peer_is_undone(local_swarm):
+    """A layout (published as the run's trainer would) gives both peers stage 0: stage 1 of it
+    would have no peer. The trainer undoes the move (each peer takes its old stage back from
+    its snapshot), publishes the layout the swarm is on as the next version, never tries the
+    failed one again, and training goes on with parity."""
+    from swarmtrain.wire.layout_record import LayoutRecord
+
+    swarm = local_swarm(
+        model_config=MODEL,
+        num_stages=2,
+        seed=SEED,
+        optimizer=OPTIMIZER,
+        batch=BATCH,
+        stage_args={0: STILL, 1: STILL},
+        coordinator_args=("--replan", "--replan-gain", "100", "--replan-every", "1"),  # no move of its own
+    )
+    ids = [swarm.wait_ready("stage0-1"), swarm.wait_ready("stage1-2")]
+    results = []
+    with swarm.trainer() as trainer:
+        run_id = trainer.manifest.run_id
+        for result in trainer.train(batches(), steps=150):
+            results.append(result)
+            if len(results) == 3:
+                doomed = LayoutRecord(
+                    planner=trainer.node.peer_id,
+                    version=2,
+                    stage_bounds=(0, 2, 6),
+                    assignments=dict.fromkeys(ids, 0),
+                )
+                trainer.node.publish_layout(run_id, doomed, ttl_s=600).result()
+            if trainer.manifest.layout_version == 3 and len(results) >= 6:
+                break
+        failed, manifest, moves = set(trainer.failed_layouts), trainer.manifest, list(trainer.layout_moves)
+        records = [r for r in trainer.node.peers(run_id) if r.role == "stage"]
+    assert failed == {2} and [v for _, v, _ in moves] == [3], (failed, moves)
+    assert manifest.layout_version == 3 and manifest.stage_bounds == (0, 3, 6), manifest
+    assert manifest.layout_note.startswith("the move to layout 2 did not complete"), manifest.layout_note
+    assert sorted((r.peer_id, r.stage, r.layout) for r in records) == sorted(
+        [(ids[0], 0, 3), (ids[1], 1, 3)]
+    ), records
     assert_parity(results)

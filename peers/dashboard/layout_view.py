@@ -27,8 +27,8 @@ class LayoutWatch:
         from swarmtrain.train.layout import replan_proposal
 
         version = (manifest.instance or manifest.run_id, manifest.layout_version)
-        if version != self._version:  # a new layout: its proposals start afresh
-            self.gate, self._version = LayoutGate(self.gate.config), version
+        if version != self._version:  # a new layout: its proposals start afresh, by the run's rule
+            self.gate, self._version = LayoutGate(manifest.replan), version
         try:
             proposal = replan_proposal(manifest, records, costs)
         except ConfigError as e:  # a peer on a stage the planner cannot evaluate

@@ -17,32 +17,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from swarmtrain.errors import ConfigError
 from swarmtrain.plan.cost_model import BlockCost, PeerCapacity, PlanConfig
 from swarmtrain.plan.planner import Plan, evaluate, plan_swarm
 from swarmtrain.plan.rebalance import should_move
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReplanConfig:
-    """When a re-planned layout is worth moving the swarm to."""
-
-    min_gain: float = 0.2
-    """Smallest predicted relative gain worth a layout move: blocks change hands, so a move
-    costs more than one peer's (`RebalanceConfig.min_gain`, 0.10)."""
-    patience: int = 3
-    """Consecutive checks the same proposal must keep that gain."""
-
-    def __post_init__(self):
-        gain = self.min_gain
-        if (
-            isinstance(gain, bool)
-            or not isinstance(gain, (int, float))
-            or not (gain >= 0 and math.isfinite(gain))
-        ):
-            raise ConfigError(f"ReplanConfig: min_gain must be a finite number >= 0, got {gain!r}")
-        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
-            raise ConfigError(f"ReplanConfig: patience must be an integer >= 1, got {self.patience!r}")
+from swarmtrain.wire.layout_record import ReplanConfig  # noqa: F401  (re-exported: the gate's rule)
 
 
 @dataclass(frozen=True, kw_only=True)

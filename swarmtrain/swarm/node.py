@@ -26,7 +26,8 @@ from swarmtrain.trust.identity import Identity
 from swarmtrain.trust.owner import OwnerPins, choose_owner
 from swarmtrain.trust.records import open_record, sign_record, validators
 from swarmtrain.trust.swarmkey import SwarmKey, load_swarm_key
-from swarmtrain.wire.keys import RUNS_KEY, manifest_key, peers_key, run_summary, trainers_key
+from swarmtrain.wire.keys import RUNS_KEY, layout_key, manifest_key, peers_key, run_summary, trainers_key
+from swarmtrain.wire.layout_record import LayoutRecord, apply_layout
 from swarmtrain.wire.records import PEER_ID_PATTERN, PeerRecord, RunManifest, check_run_id
 
 logger = logging.getLogger(__name__)
@@ -322,7 +323,28 @@ class SwarmNode:
         if (owner, run_id) in self._run_entries:
             self._held[(RUNS_KEY, owner)] = self._run_entries[(owner, run_id)]
         self._owners[run_id] = owner
-        return RunManifest.from_dict(open_record(envelope))
+        manifest = RunManifest.from_dict(open_record(envelope))
+        if manifest.replan is None:
+            return manifest
+        return apply_layout(manifest, self.layout_records(run_id))
+
+    # layouts the trainers moved a run to (`swarmtrain.wire.layout_record`)
+
+    def publish_layout(self, run_id: str, record: LayoutRecord, *, ttl_s: float):
+        """Store `record` (planned by this peer) under `{run}.layout`; returns a future."""
+        return self._put(layout_key(run_id), record.to_dict(), get_dht_time() + ttl_s, wait=False)
+
+    def layout_records(self, run_id: str) -> list[LayoutRecord]:
+        """The layout each trainer last moved the run to (each signed by the trainer it names:
+        the DHT checked that and the record's form)."""
+        found = self.dht.get(layout_key(run_id), latest=True)
+        records = []
+        for body in self._points(found):
+            try:
+                records.append(LayoutRecord.from_dict(body))
+            except ConfigError as e:  # validated when stored; a node of another version, say
+                logger.debug("ignoring malformed layout record: %s", e)
+        return records
 
     def _private_hint(self) -> str:
         """What to add to 'no run here' when this peer has no swarm key: a private swarm's

@@ -6,6 +6,7 @@
 | `{run}.manifest`   | the run's owner   | RunManifest.to_dict()              |
 | `{run}.peers`      | the peer          | PeerRecord.to_dict()               |
 | `{run}.trainers`   | the trainer       | TrainerPoint.to_dict()             |
+| `{run}.layout`     | the trainer       | LayoutRecord.to_dict()             |
 | `swarmtrain.runs`  | the run's owner   | RunSummary: run_id, model, stages  |
 
 Every record sits under the subkey of the peer whose key signed it, so nobody can write
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.wire.layout_record import LayoutRecord
 from swarmtrain.wire.metrics import TrainerPoint
 from swarmtrain.wire.records import PeerRecord, RunManifest, check_run_id
 
@@ -38,6 +40,11 @@ def peers_key(run_id: str) -> str:
 def trainers_key(run_id: str) -> str:
     """Subkey: trainer peer id; value: its latest TrainerPoint (what the dashboard charts)."""
     return f"{run_id}.trainers"
+
+
+def layout_key(run_id: str) -> str:
+    """Subkey: trainer peer id; value: the newest layout it moved the run to (LayoutRecord)."""
+    return f"{run_id}.layout"
 
 
 def run_summary(manifest: RunManifest) -> dict:
@@ -69,5 +76,9 @@ def check_record(key: str, signer: str, body: Any) -> None:
         point = TrainerPoint.from_dict(body)
         if point.trainer != signer:
             raise ConfigError(f"trainer point of {point.trainer} signed by {signer}")
+    elif kind == "layout":
+        layout = LayoutRecord.from_dict(body)
+        if layout.planner != signer:
+            raise ConfigError(f"layout planned by {layout.planner} signed by {signer}")
     else:
         raise ConfigError(f"{key!r} is not a swarmtrain key")

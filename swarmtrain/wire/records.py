@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmtrain.errors import ConfigError
+from swarmtrain.wire.layout_record import MAX_LAYOUT_NOTE, ReplanConfig, check_assignments
 from swarmtrain.wire.rl_config import QUANTIZE_MODES, RLConfig
 from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the records' settings)
     CODEC_CHOICES,
@@ -23,8 +24,9 @@ from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the record
     _from_dict,
 )
 
-WIRE_VERSION = 13
-"""12: trainer points carry an RL step's figures (`metrics.RLPoint`), rollout peer records their
+WIRE_VERSION = 14
+"""14: live re-planning by the trainers (the manifest's replan rule, layout records).
+12: trainer points carry an RL step's figures (`metrics.RLPoint`), rollout peer records their
 quantization (`PeerRecord.quantize`), trainer records the rollout peers they ban.
 9: RL runs (the manifest's rl, rollout peers and their requests).
 8: policy versions ('weights' requests, the cause 'version_gone'), the run's weight readers.
@@ -47,9 +49,6 @@ it leaves), or the coordinator of a run whose last step was committed (swarmtrai
 PEER_ID_PATTERN = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
 """A libp2p peer id as libp2p prints it: base58btc, e.g. 12D3KooW... or Qm..."""
 MAX_TRAINERS = 64
-MAX_ASSIGNMENTS = 512
-"""Most peers a manifest's layout names (`RunManifest.assignments`)."""
-MAX_LAYOUT_NOTE = 300
 """Trainers a manifest may authorize."""
 MAX_WEIGHT_READERS = 256
 """Peers a manifest may list as weight readers."""
@@ -174,6 +173,11 @@ class RunManifest:
     assignments: dict[str, int] = field(default_factory=dict)
     """The stage the layout gives each peer it was planned from (peer id -> stage); a peer
     without a --stage of its own takes it."""
+    replan: ReplanConfig | None = None
+    """The run's rule for re-planning its layout while it runs (`coordinator --replan`): the
+    lead trainer moves the swarm to the planner's layout for the serving peers when it beats
+    the live one by `min_gain` for `patience` checks (`swarmtrain.wire.layout_record`); None:
+    the layout stays as planned."""
     wire_version: int = WIRE_VERSION
 
     def __post_init__(self):
@@ -274,24 +278,13 @@ class RunManifest:
             if self.loss is None:
                 raise ConfigError("manifest: an RL run must name its GRPO loss (--loss grpo)")
             self.rl.prompts_per_step(self.batch.microbatch_size * self.batch.microbatches_per_step)
-        assignments = self.assignments
-        if (
-            not isinstance(assignments, dict)
-            or len(assignments) > MAX_ASSIGNMENTS
-            or not all(
-                isinstance(p, str)
-                and PEER_ID_PATTERN.match(p)
-                and isinstance(k, int)
-                and not isinstance(k, bool)
-                and 0 <= k < self.num_stages
-                for p, k in assignments.items()
-            )
-        ):
-            raise ConfigError(
-                f"manifest: assignments must map at most {MAX_ASSIGNMENTS} peer ids to stages "
-                f"0..{self.num_stages - 1}, got {assignments!r:.200}"
-            )
-        object.__setattr__(self, "assignments", dict(sorted(assignments.items())))
+        object.__setattr__(
+            self, "assignments", check_assignments(self.assignments, self.num_stages, "manifest")
+        )
+        if isinstance(self.replan, dict):
+            object.__setattr__(self, "replan", ReplanConfig.from_dict(self.replan))
+        if self.replan is not None and not isinstance(self.replan, ReplanConfig):
+            raise ConfigError("manifest: replan must be a mapping or null")
         if self.schedule not in SCHEDULES:
             raise ConfigError(
                 f"unknown schedule {self.schedule!r}: choose {' or '.join(map(repr, SCHEDULES))} (--schedule)"
@@ -348,6 +341,7 @@ class RunManifest:
             "layout_note": self.layout_note,
             "layout_at": self.layout_at,
             "assignments": dict(self.assignments),
+            "replan": None if self.replan is None else self.replan.to_dict(),
             "wire_version": self.wire_version,
         }
 
