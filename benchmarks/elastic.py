@@ -1,21 +1,26 @@
 """Planned layout against an even split on the same heterogeneous peers, on loopback.
 
     python benchmarks/elastic.py [--steps 12] [--slowdowns 1,1,4,4]
-    python benchmarks/elastic.py --joins [--steps 12] [--slowdowns 1,1,2,4,4,1] [--small-memory-peer 6]
+    python benchmarks/elastic.py --joins [--steps 12] [--slowdowns 1,1,2,4,4,1] [--small-memory-peer 6] [--all-first]
+    python benchmarks/elastic.py --live [--steps 10]
 
 Starts a real swarm (coordinator and stage peers as processes, emulated speeds with
 --slowdown) twice in one run: once with the blocks split evenly over one peer per stage,
 once with the stages and replicas the planner chooses from the peers' capacities. Prints
 JSON: tokens/s of each (median over steps, after warm-up) and their ratio.
 
-`--joins`: the peers join one after another, as they would a real run, through the real
-first-layout path (`coordinator --min-peers`): (b) the coordinator's even split kept fixed,
-the peers choosing stages by the join rule; (c) the layout planned from the first peers, one per
-stage (`--min-peers` = `--stages`), the later ones joining it; (d) the layout planned once all have come
-(`--min-peers` = all). One peer has little memory (`--max-memory`). Steady-state tokens/s
-after the last join, the ratios `planned_once_vs_even` (c/b) and `planned_from_all_vs_even`
-(d/b), and what the re-planner (`swarmtrain.train.layout.replan_proposal`) predicts a live
-move would add to each. Live moves themselves are not built yet, so (a) is not measured.
+`--joins`: peers that come to a running swarm. Peers with slowdowns 1,1,2,4,4,1 (one with little memory,
+`--max-memory`) come to a run: the first ones, one per stage, start it, the others join the
+running swarm one every JOIN_EVERY steps. Three runs side by side: (b) the coordinator's even
+split kept fixed, the peers choosing stages by the join rule; (c) the layout planned once from
+the first peers (`--min-peers` = `--stages`), the later ones joining it; (a) the same, with
+live re-planning (`--replan`: the lead trainer moves the swarm as peers come). Steady-state
+tokens/s after the last join, each move's pause, and the ratios `live_vs_even` (a/b),
+`live_vs_planned_once` (a/c) and `planned_once_vs_even` (c/b); `--all-first` adds (d), a
+layout planned once every peer has come.
+
+`--live`: two equal peers, one of which turns 4x slower mid-run: live re-planning against the
+even split kept and a layout planned once.
 """
 
 from __future__ import annotations
@@ -68,38 +73,72 @@ def measure(stage_bounds: tuple[int, ...], peers: list[list[float]], steps: int)
     }
 
 
-def measure_joins(slowdowns: list[float], small: int, min_peers: int, steps: int, stages: int = 3) -> dict:
-    """Peers with `slowdowns` join in order (the `small`-th, 1-based, with little memory; 0: none)
-    a run of `stages` stages whose layout is planned from the first `min_peers` of them (0: an
-    even split from the start); steady-state tokens/s once all serve."""
+JOIN_EVERY = 8
+"""Steps between two peers joining the running swarm in --joins (about 5-10 s on 2 cores)."""
+JOINS_REPLAN = ("--replan", "--replan-gain", "0.3", "--replan-patience", "2", "--replan-every", "2")
+MAX_JOIN_STEPS = 400
+"""Most steps a --joins variant trains before it is timed, whatever still moves."""
+
+
+def measure_joins(
+    slowdowns: list[float], small: int, min_peers: int, steps: int, stages: int = 3, *, live: bool = False
+) -> dict:
+    """Peers with `slowdowns` (the `small`-th, 1-based, with little memory; 0: none) come to a
+    run of `stages` stages whose layout is planned from the first `min_peers` of them (0: an
+    even split from the start). The first `stages` (or `min_peers`) peers start the run; the
+    others join the running swarm one every JOIN_EVERY steps. With `live`, the run re-plans
+    as they come (`--replan`). Steady-state tokens/s once all serve (and, live, once the
+    layout has held for the timed steps)."""
     from swarmtrain.train.layout import replan_proposal
 
     def args(i: int) -> tuple[str, ...]:
         extra = ("--max-memory", SMALL_MEMORY) if i + 1 == small else ()
         return ("--slowdown", str(slowdowns[i]), "--rebalance-every", "0", *extra)
 
-    first = min_peers or stages
+    first = max(min_peers, stages)
     config = LocalSwarmConfig(
         model_config=MODEL,
         num_stages=stages,
         min_peers=min_peers,
         plan_wait_s=600.0,
-        stage_args={i: args(i) for i in range(first)},
+        stage_args={i: args(i) for i in range(min(first, stages))},
+        coordinator_args=JOINS_REPLAN if live else (),
         batch=BATCH,
     )
     with LocalSwarm(config) as swarm:
-        for i in range(first, len(slowdowns)):
+        for i in range(stages, first):
             swarm.spawn_stage(None, extra_args=args(i))
         data = TokenBatches(
             stdlib_text(2**22), seq_len=MODEL["seq_len"], microbatch_size=BATCH.microbatch_size, seed=0
         )
         names = [name for name in swarm.procs if name.startswith("stage")]  # in join order
-        slowdown_of = {swarm.wait_ready(name): slowdowns[i] for i, name in enumerate(names)}
+        later = list(range(first, len(slowdowns)))
+        results, all_in = [], None
         with swarm.trainer() as trainer:
-            results = list(trainer.train(data, steps=steps + WARMUP_STEPS))[WARMUP_STEPS:]
+            for result in trainer.train(data, steps=MAX_JOIN_STEPS + steps):
+                results.append(result)
+                n = len(results)
+                if later and n % JOIN_EVERY == 0:
+                    names.append(swarm.spawn_stage(None, extra_args=args(later.pop(0)), wait=False))
+                if (
+                    all_in is None
+                    and not later
+                    and all((swarm.log_dir / f"{x}.ready").exists() for x in names)
+                ):
+                    all_in = n  # the last peer to join serves
+                moves = trainer.layout_moves
+                if (
+                    all_in is not None
+                    and n >= all_in + WARMUP_STEPS + steps
+                    and (not moves or moves[-1][0] < result.step - steps or n >= MAX_JOIN_STEPS)
+                ):
+                    break
             manifest = trainer.node.get_manifest(trainer.manifest.run_id)
             records = trainer.node.peers(manifest.run_id)
-    rates = [r.tokens_per_s for r in results]
+            moves = list(trainer.layout_moves)
+        slowdown_of = {swarm.wait_ready(name): slowdowns[i] for i, name in enumerate(names)}
+    timed = results[-steps:]
+    rates = [r.tokens_per_s for r in timed]
     proposal = replan_proposal(manifest, records)
     stages = [
         sorted(slowdown_of[r.peer_id] for r in records if r.role == "stage" and r.stage == k)
@@ -107,13 +146,17 @@ def measure_joins(slowdowns: list[float], small: int, min_peers: int, steps: int
     ]
     return {
         "min_peers": min_peers,
+        "live": live,
         "stage_bounds": list(manifest.stage_bounds),
+        "layout_version": manifest.layout_version,
         "layout_note": manifest.layout_note,
+        "moves": [{"step": s, "layout": v, "paused_s": p} for s, v, p in moves],
         "peer_slowdowns_per_stage": stages,
         "tokens_per_s_median": statistics.median(rates),
         "tokens_per_s_min": min(rates),
         "tokens_per_s_max": max(rates),
         "steps": len(results),
+        "last_join_serving_at_step": all_in,
         "replan_predicted_gain": None if proposal is None else proposal.gain,
     }
 
@@ -195,26 +238,37 @@ def main_joins(args) -> None:
     slowdowns = [float(s) for s in args.slowdowns.split(",")]
     started = time.monotonic()
     n, first = args.stages, min(args.stages, len(slowdowns))
-    even = measure_joins(slowdowns, args.small_memory_peer, 0, args.steps, n)
-    once = measure_joins(slowdowns, args.small_memory_peer, first, args.steps, n)
-    full = measure_joins(slowdowns, args.small_memory_peer, len(slowdowns), args.steps, n)
-    base = even["tokens_per_s_median"]
+    runs = {
+        "even_split_fixed": measure_joins(slowdowns, args.small_memory_peer, 0, args.steps, n),
+        "planned_once": measure_joins(slowdowns, args.small_memory_peer, first, args.steps, n),
+        "live": measure_joins(slowdowns, args.small_memory_peer, first, args.steps, n, live=True),
+    }
+    if args.all_first:
+        runs["planned_from_all"] = measure_joins(
+            slowdowns, args.small_memory_peer, len(slowdowns), args.steps, n
+        )
+    rate = {k: v["tokens_per_s_median"] for k, v in runs.items()}
     print(
         json.dumps(
             {
                 "benchmark": "elastic --joins",
-                "aim": "a layout sized to the peers that came >= 1.3x the coordinator's even split",
+                "aim": "live re-planning >= 1.3x the coordinator's even split kept fixed, and not below a layout "
+                "planned once from the first peers",
                 "model": MODEL,
                 "batch": BATCH.to_dict(),
+                "stages": n,
                 "peer_slowdowns_in_join_order": slowdowns,
                 "small_memory_peer": args.small_memory_peer,
-                "even_split_fixed": even,
-                "stages": n,
-                f"planned_from_first_{first}": once,
-                "planned_from_all": full,
-                "planned_once_vs_even": once["tokens_per_s_median"] / base,
-                "planned_from_all_vs_even": full["tokens_per_s_median"] / base,
-                "live_replanning": "not built yet: no live_vs_even figure",
+                "join_every_steps": JOIN_EVERY,
+                "runs": runs,
+                "live_vs_even": rate["live"] / rate["even_split_fixed"],
+                "live_vs_planned_once": rate["live"] / rate["planned_once"],
+                "planned_once_vs_even": rate["planned_once"] / rate["even_split_fixed"],
+                **(
+                    {"planned_from_all_vs_even": rate["planned_from_all"] / rate["even_split_fixed"]}
+                    if args.all_first
+                    else {}
+                ),
                 "elapsed_s": time.monotonic() - started,
             },
             indent=2,
@@ -236,6 +290,11 @@ def main() -> None:
         help="with --joins: the n-th peer (1-based) has little memory; 0: none",
     )
     parser.add_argument("--stages", type=int, default=3, help="with --joins: the run's stages (default 3)")
+    parser.add_argument(
+        "--all-first",
+        action="store_true",
+        help="with --joins: also a layout planned once every peer has come (--min-peers = all)",
+    )
     parser.add_argument(
         "--live", action="store_true", help="live re-planning vs an even split and a layout planned once"
     )
