@@ -368,8 +368,9 @@ def prediction_line(status: dict) -> Text | None:
 
 def replan_text(replan: dict) -> str:
     """One line on the layout the planner would give the serving peers now (`LayoutWatch`)."""
-    bounds = replan["stage_bounds"]
-    spans = ", ".join(f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:], strict=False))
+    from swarmtrain.wire.layout_record import spans_text
+
+    spans = spans_text(replan["stage_bounds"])
     gain = replan["gain"]
     gain_text = "from a stalled layout" if gain is None else f"{gain:+.0%}"
     held = (

@@ -41,6 +41,7 @@ from swarmtrain.train.placement import (
     manifest_costs,
     manifest_plan_config,
 )
+from swarmtrain.wire.layout_record import spans_text
 from swarmtrain.wire.records import PeerRecord, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def first_layout(
         plan.throughput_tokens_per_s / even.throughput_tokens_per_s if even.throughput_tokens_per_s else 1.0
     )
     note = (
-        f"planned from {len(peers)} peers: blocks {_spans(plan.stage_bounds)}, "
+        f"planned from {len(peers)} peers: blocks {spans_text(plan.stage_bounds)}, "
         f"{plan.throughput_tokens_per_s:.0f} tokens/s predicted, {gain:.2f}x the even split"
     )
     return dataclasses.replace(
@@ -127,10 +128,6 @@ def first_layout(
         assignments=dict(plan.assignments),
         layout_note=note,
     )
-
-
-def _spans(bounds: Sequence[int]) -> str:
-    return ", ".join(f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:], strict=False))
 
 
 async def await_first_layout(
@@ -222,6 +219,6 @@ def replan_note(proposal: LayoutProposal, live_version: int) -> str:
     """The `layout_note` of a layout re-planned from `proposal` over layout `live_version`."""
     gain = "from a stalled layout" if proposal.gain == float("inf") else f"{proposal.gain:+.0%}"
     return (
-        f"re-planned from {len(proposal.assignments)} serving peers: blocks {_spans(proposal.stage_bounds)}, "
+        f"re-planned from {len(proposal.assignments)} serving peers: blocks {spans_text(proposal.stage_bounds)}, "
         f"{proposal.planned_tokens_per_s:.0f} tokens/s predicted ({gain} over layout {live_version})"
     )

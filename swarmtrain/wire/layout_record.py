@@ -68,6 +68,11 @@ class ReplanConfig:
         return _from_dict(cls, data, "replan")
 
 
+def spans_text(bounds) -> str:
+    """Stage bounds as people read them: (0, 5, 6) -> '0-4, 5-5' (each stage's first and last block)."""
+    return ", ".join(f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:], strict=False))
+
+
 def check_assignments(assignments: Any, num_stages: int, what: str) -> dict[str, int]:
     """`assignments` (peer id -> stage) as a dict sorted by peer id; ConfigError if it is not one."""
     from swarmtrain.wire.records import PEER_ID_PATTERN
