@@ -90,6 +90,7 @@ def measure_joins(
     as they come (`--replan`). Steady-state tokens/s once all serve (and, live, once the
     layout has held for the timed steps)."""
     from swarmtrain.train.layout import replan_proposal
+    from swarmtrain.train.placement import layout_prediction
 
     def args(i: int) -> tuple[str, ...]:
         extra = ("--max-memory", SMALL_MEMORY) if i + 1 == small else ()
@@ -140,13 +141,17 @@ def measure_joins(
     timed = results[-steps:]
     rates = [r.tokens_per_s for r in timed]
     proposal = replan_proposal(manifest, records)
+    prediction = layout_prediction(manifest, records) or {}
     stages = [
         sorted(slowdown_of[r.peer_id] for r in records if r.role == "stage" and r.stage == k)
         for k in range(manifest.num_stages)
     ]
+    exchanges = [r.exchange_s for r in records if r.role == "stage" and r.exchange_s > 0]
     return {
         "min_peers": min_peers,
         "live": live,
+        "predicted_tokens_per_s": prediction.get("predicted_tokens_per_s"),
+        "exchange_s_median": statistics.median(exchanges) if exchanges else None,
         "stage_bounds": list(manifest.stage_bounds),
         "layout_version": manifest.layout_version,
         "layout_note": manifest.layout_note,

@@ -1,9 +1,9 @@
 """A stage peer's side of a layout move: taking its stage in a new layout of the run, between
 two steps, and serving its old stage's state to the peers that take its blocks.
 
-The run's owner publishes a new layout (a new `RunManifest.layout_version`, with new stage
-bounds and who serves which stage: `coordinator --replan`). At a step boundary, with nothing
-in flight, the trainer sends every serving stage peer a `Relayout` (`peers/trainer_layout.py`).
+The run gets a new layout (a new `RunManifest.layout_version`, with new stage bounds and who
+serves which stage: its lead trainer re-plans it, `peers/trainer_layout.py`). At a step
+boundary, with nothing in flight, the trainer sends every serving stage peer a `Relayout`.
 Each peer then:
 1. keeps a snapshot of its stage's state by swarm name (`StageRunner.export_named_state`),
    which it serves to the others until its next move;

@@ -369,6 +369,7 @@ class StagePeer:
             in_flight_budget=self.budget,
             memory_used_bytes=memory_used_bytes(self.config.device),
             busy_s=self.scheduler.busy_s,
+            exchange_s=self.service.commit.exchange_s,
             replayed=self.counters.replayed,
             failed=self.counters.failed,
             banned=tuple(banned),

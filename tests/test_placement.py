@@ -3,6 +3,8 @@ hand-built plans, then `placement.choose_stage`, which feeds it a run's manifest
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -216,6 +218,19 @@ def test_choose_stage_follows_join_stage_on_a_running_swarm():
     totals = evaluate(plan, costs, peers, config).stage_tokens_per_s
     slowest = min((0, 1), key=lambda k: (totals[k], k))
     assert choose_stage(MANIFEST, records, fits, me, peer_id="me") == slowest
+
+
+def test_the_averaging_overhead_is_what_the_serving_replicas_measured():
+    default = manifest_plan_config(MANIFEST).averaging_overhead_s
+    records = [
+        dataclasses.replace(stage_peer("a", 0), exchange_s=0.02),
+        dataclasses.replace(stage_peer("b", 0), exchange_s=0.04),
+        dataclasses.replace(stage_peer("c", 0), exchange_s=0.3),
+        dataclasses.replace(stage_peer("d", 1, state="joining"), exchange_s=9.0),  # not serving
+        stage_peer("e", 1),  # never exchanged
+    ]
+    assert manifest_plan_config(MANIFEST, records).averaging_overhead_s == 0.04  # the median
+    assert manifest_plan_config(MANIFEST, records[3:]).averaging_overhead_s == default == 0.75
 
 
 def test_choose_stage_serves_the_slowest_stage_when_any_replica_would_slow_the_run():

@@ -9,7 +9,13 @@ import torch
 
 from swarmtrain.train.data import TokenBatches, stdlib_text
 from swarmtrain.wire.records import BatchConfig, OptimizerConfig
-from tests.conftest import TINY_GPT, assert_losses_match_reference, assert_replicas_verified, reference_losses
+from tests.conftest import (
+    TINY_GPT,
+    assert_losses_match_reference,
+    assert_replicas_verified,
+    reference_losses,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -93,6 +99,18 @@ def test_replicated_stage_matches_single_process_and_replicas_stay_equal(local_s
             results += trainer.train(data, steps=1)  # until stage 0 has seen and used both
         stage1 = states_of(swarm, trainer, 1)
         stage0 = trainer.fetch_state(0, swarm.wait_ready(replica_names(swarm, 0)[0]))
+
+        def exchange_s() -> dict[int, list[float]]:
+            out: dict[int, list[float]] = {}
+            for r in trainer.node.peers(trainer.manifest.run_id):
+                if r.role == "stage":
+                    out.setdefault(r.stage, []).append(r.exchange_s)
+            return out
+
+        # the replicas measured what their exchange costs a step (the planner's averaging
+        # overhead); stage 0's one peer never exchanged
+        wait_until(lambda: min(exchange_s()[1]) > 0, timeout_s=30, what="stage 1's exchange seconds")
+        assert exchange_s()[0] == [0.0] and max(exchange_s()[1]) < 30
     assert len(replicas) == 2 and len(stage1) == 2
     assert_replicas_equal(stage1)
     # Every step that compared both replicas' digests found them equal, and the last did.

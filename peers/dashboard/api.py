@@ -268,8 +268,8 @@ class SwarmSnapshot(BaseModel):
         "manifest or while a stage has no serving replica."
     )
     replan: LayoutReplan | None = Field(
-        description="The layout the planner would give the serving peers now (`coordinator --replan` moves "
-        "the swarm to one that keeps its gain); null when it would keep theirs, or cannot say."
+        description="The layout the planner would give the serving peers now (in a run with `--replan`, the "
+        "lead trainer moves the swarm to one that keeps its gain); null when it would keep theirs, or cannot say."
     )
     series: SeriesView
     events: list[EventView] = Field(description="Event log, newest last.")

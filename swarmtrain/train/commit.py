@@ -30,6 +30,7 @@ An apply that arrives twice (its reply was lost) is answered again without stepp
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 
@@ -58,6 +59,8 @@ from swarmtrain.wire.messages import (
 )
 
 EXCHANGE_TIMEOUT_S = 30.0
+EXCHANGE_EMA = 0.2
+"""Weight of the newest exchange in `CommitParticipant.exchange_s`."""
 
 
 class CommitParticipant:
@@ -77,6 +80,9 @@ class CommitParticipant:
         self.claim = StepClaim()
         self._applied: tuple[int, float, tuple[str, ...]] | None = None
         """(step, grad_scale, the microbatches counted) of the last step applied."""
+        self.exchange_s = 0.0
+        """Moving average of the seconds an exchange with the other replicas takes (0: none yet)."""
+        self._exchanges = 0
 
     def reset(self) -> None:
         """The replica's state was replaced (taken from another replica): forget the step."""
@@ -171,7 +177,10 @@ class CommitParticipant:
             lambda: ctx.runner.fold(step, fresh=set(request.fresh), take=list(request.take))
         )
         others = [q for q in request.group if q != ctx.peer_id]
+        started = time.monotonic()
         total = await self._exchange(step, request.attempt, others) if others else None
+        if others:
+            self._timed_exchange(time.monotonic() - started)
         norm, _ = await ctx.scheduler.call(tensor_norm, ctx.runner.grads() if total is None else total)
         if not norm < SQUARE_SAFE:  # NaN fails too
             raise RemoteError(
@@ -201,6 +210,15 @@ class CommitParticipant:
             ctx.on_applied()
         digest = await ctx.scheduler.call(runner.param_digest) if request.digest else None
         return self._done(runner.step, Applied(digest=digest).to_meta())
+
+    def _timed_exchange(self, seconds: float) -> None:
+        """Fold one exchange's seconds into `exchange_s`; the first (cold: connections, buffers)
+        is replaced by the second, as the readiness estimator does with compute."""
+        self._exchanges += 1
+        if self._exchanges <= 2:
+            self.exchange_s = seconds
+        else:
+            self.exchange_s += EXCHANGE_EMA * (seconds - self.exchange_s)
 
     async def _exchange(self, step: int, attempt: int, others: list[str]) -> list[torch.Tensor]:
         """Send this replica's gradient sum to `others`, take theirs; returns the group's total."""

@@ -16,9 +16,9 @@ reading they are given: any peer that read the same records would plan the same 
 
 Later, `replan_proposal` asks the same planner what layout the serving peers would get now,
 against the one they have (`swarmtrain.plan.layout`: a proposal, and the hysteresis a move
-needs); the dashboard and `status` show it, and a coordinator with `--replan` publishes it as
-the next layout version once it holds, which the trainer moves the swarm to between two steps
-(`peers/trainer_layout.py`, `peers/relayout.py`).
+needs); the dashboard and `status` show it, and in a run with `--replan` the lead trainer
+publishes it as the next layout version once it holds and moves the swarm to it between two
+steps (`peers/trainer_layout.py`, `peers/relayout.py`).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def replan_proposal(
         peers = live_capacities(manifest, live, costs)
     except (TypeError, ValueError):  # a capacity that does not parse
         return None
-    return propose_layout(costs, peers, manifest_plan_config(manifest), layout_plan(manifest, live))
+    return propose_layout(costs, peers, manifest_plan_config(manifest, live), layout_plan(manifest, live))
 
 
 def replan_note(proposal: LayoutProposal, live_version: int) -> str:

@@ -5,6 +5,7 @@ the stage peers and the launchers in `swarmtrain.peers` call it."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -74,13 +75,19 @@ def manifest_costs(manifest: RunManifest) -> list[BlockCost]:
     )
 
 
-def manifest_plan_config(manifest: RunManifest) -> PlanConfig:
+def manifest_plan_config(manifest: RunManifest, records: Iterable[PeerRecord] = ()) -> PlanConfig:
     """How the planner models the run: the tokens a stage holds in flight and the tokens of
-    one optimizer step (over which replicas average), from the manifest's batch settings."""
+    one optimizer step (over which replicas average), from the manifest's batch settings; and
+    what averaging costs a step, as the serving replicas among `records` measured it (the
+    median of their `exchange_s`), else the cost model's default."""
     tokens = sample_positions(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
+    measured = [
+        r.exchange_s for r in records if r.role == "stage" and r.state == "serving" and r.exchange_s > 0
+    ]
     return PlanConfig(
         tokens_in_flight=tokens * manifest.batch.max_in_flight,
         tokens_per_step=tokens * manifest.batch.microbatches_per_step,
+        **({"averaging_overhead_s": statistics.median(measured)} if measured else {}),
     )
 
 
@@ -166,7 +173,7 @@ def layout_prediction(
     tokens = sample_positions(manifest.model, manifest.model_config) * manifest.batch.microbatch_size
     try:
         peers = live_capacities(manifest, live, costs)
-        evaluation = evaluate(layout_plan(manifest, live), costs, peers, manifest_plan_config(manifest))
+        evaluation = evaluate(layout_plan(manifest, live), costs, peers, manifest_plan_config(manifest, live))
     except (ConfigError, TypeError, ValueError):  # a capacity that does not parse
         return None
     # A step's microbatches fill the pipeline and drain it (GPipe's bubble): one microbatch

@@ -25,7 +25,8 @@ from swarmtrain.wire.run_config import (  # noqa: F401  (re-exported: the record
 )
 
 WIRE_VERSION = 14
-"""14: live re-planning by the trainers (the manifest's replan rule, layout records).
+"""14: live re-planning by the trainers (the manifest's replan rule, layout records), the
+replica exchange's measured seconds in stage peer records.
 12: trainer points carry an RL step's figures (`metrics.RLPoint`), rollout peer records their
 quantization (`PeerRecord.quantize`), trainer records the rollout peers they ban.
 9: RL runs (the manifest's rl, rollout peers and their requests).
@@ -395,6 +396,9 @@ class PeerRecord:
     """Memory the peer's compute uses now (CUDA: allocated by torch; CPU: the process's resident set)."""
     busy_s: float = 0.0
     """Seconds of compute since the peer started (its utilization is the rate this grows at)."""
+    exchange_s: float = 0.0
+    """Moving average of the seconds a step's replica exchange takes the peer (its gradient sum
+    swapped with its stage's other replicas: what replicas cost a step); 0: it never exchanged."""
     replayed: int = 0
     """Microbatches the peer re-sent to another replica downstream after a failure."""
     failed: int = 0
@@ -428,7 +432,7 @@ class PeerRecord:
             _check_count(name, getattr(self, name))
         for name in ("bytes_sent", "bytes_received", "raw_bytes_sent", "memory_used_bytes"):
             _check_count(name, getattr(self, name))
-        for name in ("backlog_s", "service_s", "busy_s"):
+        for name in ("backlog_s", "service_s", "busy_s", "exchange_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1e12:
                 raise ConfigError(f"peer record: {name} must be a number >= 0, got {value!r}")
