@@ -1,7 +1,7 @@
 """Planned layout against an even split on the same heterogeneous peers, on loopback.
 
     python benchmarks/elastic.py [--steps 12] [--slowdowns 1,1,4,4]
-    python benchmarks/elastic.py --joins [--steps 12] [--slowdowns 1,1,2,4,4,1] [--small-memory-peer 6] [--all-first]
+    python benchmarks/elastic.py --joins [--steps 12] [--slowdowns 4,4,8,16,16,4] [--small-memory-peer 6] [--all-first]
     python benchmarks/elastic.py --live [--steps 10]
 
 Starts a real swarm (coordinator and stage peers as processes, emulated speeds with
@@ -9,8 +9,9 @@ Starts a real swarm (coordinator and stage peers as processes, emulated speeds w
 once with the stages and replicas the planner chooses from the peers' capacities. Prints
 JSON: tokens/s of each (median over steps, after warm-up) and their ratio.
 
-`--joins`: peers that come to a running swarm. Peers with slowdowns 1,1,2,4,4,1 (one with little memory,
-`--max-memory`) come to a run: the first ones, one per stage, start it, the others join the
+`--joins`: peers that come to a running swarm. Peers with slowdowns 4,4,8,16,16,4 (1,1,2,4,4,1
+for peers at a quarter of a core's speed: six of them share 2 cores and the host's cores do
+not decide the figures; one with little memory, `--max-memory`) come to a run: the first ones, one per stage, start it, the others join the
 running swarm one every JOIN_EVERY steps. Three runs side by side: (b) the coordinator's even
 split kept fixed, the peers choosing stages by the join rule; (c) the layout planned once from
 the first peers (`--min-peers` = `--stages`), the later ones joining it; (a) the same, with
@@ -75,7 +76,7 @@ def measure(stage_bounds: tuple[int, ...], peers: list[list[float]], steps: int)
 
 JOIN_EVERY = 8
 """Steps between two peers joining the running swarm in --joins (about 5-10 s on 2 cores)."""
-JOINS_REPLAN = ("--replan", "--replan-gain", "0.3", "--replan-patience", "2", "--replan-every", "2")
+JOINS_REPLAN = ("--replan", "--replan-gain", "0.2", "--replan-patience", "2", "--replan-every", "2")
 MAX_JOIN_STEPS = 400
 """Most steps a --joins variant trains before it is timed, whatever still moves."""
 
@@ -308,8 +309,8 @@ def main() -> None:
         main_live(args)
         return
     if args.joins:
-        if args.slowdowns == "1,1,4,4":
-            args.slowdowns = "1,1,2,4,4,1"
+        if args.slowdowns == "1,1,4,4":  # 1,1,2,4,4,1 at a quarter of a core's speed: six peers
+            args.slowdowns = "4,4,8,16,16,4"  # sleep more than they compute on 2 cores
         main_joins(args)
         return
     slowdowns = [float(s) for s in args.slowdowns.split(",")]

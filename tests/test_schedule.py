@@ -267,14 +267,54 @@ def test_router_probes_a_replica_passed_over_for_probe_every_microbatches():
         r.sent(peer, now)
         r.done(peer, now, ok=True)
         picks.append(peer)
-    assert picks == ["a"] * 4 + ["b"] + ["a"] * 4 + ["b"]  # at most one in probe_every + 1
+    assert picks[:5] == ["a"] * 4 + ["b"]  # probed after probe_every microbatches elsewhere
+    r.report("b", backlog_s=0, service_s=0.012, now=0.1)  # the probe found it fast: a cold start
+    picks = []
+    for i in range(10):
+        now = 0.2 + i * 0.01
+        peer = r.choose(["a", "b"], now=now)
+        r.sent(peer, now)
+        r.done(peer, now, ok=True)
+        picks.append(peer)
+    assert "b" in picks[:3], picks  # as good as a again: it gets work
     r.sent("b", 1.0)  # b still busy with a microbatch: not probed again until it answers
     assert all(r.choose(["a", "b"], now=1.0 + i * 0.01) == "a" for i in range(8))
 
 
-@pytest.mark.parametrize("fields", [{"probe_every": 0}, {"probe_every": 2.5}, {"stale_after_s": 0}])
+def test_a_replica_that_stays_much_slower_is_probed_ever_more_rarely():
+    """Each microbatch on a replica 100x slower holds up its step: while probes keep finding it
+    that slow, they come after 4, 8, 16, ... microbatches elsewhere (at most 16x apart)."""
+    r = ReadinessRouter(RouterConfig(probe_every=4))
+    r.report("a", backlog_s=0, service_s=0.01, now=0)
+    r.report("b", backlog_s=0, service_s=1.0, now=0)
+    picks = []
+    for i in range(200):
+        now = i * 0.001  # far less than stale_after_s
+        peer = r.choose(["a", "b"], now=now)
+        r.sent(peer, now)
+        r.done(peer, now, ok=True)
+        picks.append(peer)
+    probes = [i for i, p in enumerate(picks) if p == "b"]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    assert probes[0] == 1  # never sent to: probed at once (time-based)
+    assert gaps == [4, 8, 16, 32, 64, 64], probes
+    # a replica 3x slower (within probe_max_slowdown) is probed every probe_every microbatches
+    r.report("b", backlog_s=0, service_s=0.03, now=1.0)
+    picks = []
+    for i in range(20):
+        now = 1.0 + i * 0.001
+        peer = r.choose(["a", "b"], now=now)
+        r.sent(peer, now)
+        r.done(peer, now, ok=True)
+        picks.append(peer)
+    assert picks.count("b") >= 3, picks
+
+
+@pytest.mark.parametrize(
+    "fields", [{"probe_every": 0}, {"probe_every": 2.5}, {"stale_after_s": 0}, {"probe_max_slowdown": 0.5}]
+)
 def test_router_config_says_what_is_wrong(fields):
-    with pytest.raises(ValueError, match="need stale_after_s > 0 and an integer probe_every >= 1"):
+    with pytest.raises(ValueError, match="need stale_after_s > 0, an integer probe_every >= 1"):
         RouterConfig(**fields)
 
 

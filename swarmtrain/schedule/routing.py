@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 
 from swarmtrain.schedule.static import round_robin
 
+MAX_PROBE_BACKOFF = 4
+"""A much slower replica's count-based probes come at most 2**4 = 16 times further apart."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class BanConfig:
@@ -94,6 +97,8 @@ class ReplicaView:
     last_sent: float = -math.inf
     passed_over: int = 0
     """Microbatches routed to other replicas since this one was last chosen."""
+    slow_probes: int = 0
+    """Count-based probes in a row that found this replica much slower than the best one."""
     bandwidth_bytes_per_s: float | None = None
 
 
@@ -107,15 +112,24 @@ class RouterConfig:
     gets the next one as a probe: the same rule counted in work rather than seconds, so a fast
     swarm (many microbatches a second) does not starve a replica for `stale_after_s` on one
     slow measurement. At most one microbatch in `probe_every + 1` goes to a slow replica."""
+    probe_max_slowdown: float = 4.0
+    """A replica measured more than this many times slower per microbatch than the one chosen
+    is probed by count ever more rarely (`probe_every`, then twice that, up to 16 times): a
+    step commits once all its microbatches are done, so a microbatch on a much slower replica
+    holds up the whole step. One whose slow measurement was a cold start or a hiccup answers
+    its first probe fast and is probed as usual again."""
     bans: BanConfig = field(default_factory=BanConfig)
 
     def __post_init__(self):
         if (
             not self.stale_after_s > 0
+            or not self.probe_max_slowdown >= 1
             or isinstance(self.probe_every, bool)
             or not (isinstance(self.probe_every, int) and self.probe_every >= 1)
         ):
-            raise ValueError(f"need stale_after_s > 0 and an integer probe_every >= 1, got {self}")
+            raise ValueError(
+                f"need stale_after_s > 0, an integer probe_every >= 1 and probe_max_slowdown >= 1, got {self}"
+            )
 
 
 class ReadinessRouter:
@@ -172,18 +186,26 @@ class ReadinessRouter:
             p
             for p in allowed
             if not self.outstanding.get(p)
-            and (
-                now - self.view(p).last_sent > self.config.stale_after_s
-                or self.view(p).passed_over >= self.config.probe_every
-            )
+            and (now - self.view(p).last_sent > self.config.stale_after_s or self._due_for_probe(p, best))
         ]
         chosen = best
         if idle and best not in idle:
             chosen = min(idle, key=lambda p: (self.view(p).last_sent, p))
+        if chosen != best and now - self.view(chosen).last_sent <= self.config.stale_after_s:
+            self.view(chosen).slow_probes += 1  # a count-based probe: the next one comes later
         for p in allowed:
             v = self.view(p)
             v.passed_over = 0 if p == chosen else v.passed_over + 1
         return chosen
+
+    def _due_for_probe(self, peer: str, best: str) -> bool:
+        """Whether `peer` was passed over long enough for a count-based probe: `probe_every`
+        microbatches, times 2 for each probe in a row that found it still much slower than `best`."""
+        v = self.view(peer)
+        mine, theirs = v.service_s, self.view(best).service_s
+        if mine is None or theirs is None or mine <= self.config.probe_max_slowdown * theirs:
+            v.slow_probes = 0
+        return v.passed_over >= self.config.probe_every << min(v.slow_probes, MAX_PROBE_BACKOFF)
 
     def sent(self, peer: str, now: float) -> None:
         v = self.view(peer)
