@@ -50,6 +50,13 @@ def join(
     gpu: Annotated[
         str, typer.Option(help="Device to compute on: auto (first CUDA GPU, else CPU), cpu, cuda or cuda:N.")
     ] = "auto",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="What stage compute runs in: auto (bf16 on a CUDA GPU that has it, else fp32), fp32 or bf16 "
+            "(autocast; weights and optimizer state stay fp32). fp16 is not supported yet.",
+        ),
+    ] = "auto",
     threads: Threads = None,
     host: Host = "127.0.0.1",
     port: Port = 0,
@@ -165,7 +172,7 @@ def join(
     setup_logging(verbose)
     from swarmtrain.errors import ConfigError
     from swarmtrain.model import ModelSources
-    from swarmtrain.peers.probe import parse_bytes, resolve_device
+    from swarmtrain.peers.probe import parse_bytes, resolve_device, resolve_dtype
     from swarmtrain.peers.stage import StageConfig, StagePeer
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.train.versions import VersionsConfig
@@ -233,6 +240,7 @@ def join(
             run_id=run_id,
             stage=stage,
             device=resolve_device(gpu),
+            dtype=resolve_dtype(dtype, resolve_device(gpu)),
             num_threads=threads,
             transport=transport(),
             slowdown=slowdown,

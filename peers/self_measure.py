@@ -35,9 +35,10 @@ def capacity(
     }
 
 
-def block_capacity(manifest, device: str, *, slowdown: float = 1.0) -> dict:
+def block_capacity(manifest, device: str, *, slowdown: float = 1.0, dtype: str = "fp32") -> dict:
     """A forward and backward of one block of the run's own model on one of its microbatches,
-    timed on `device` (`measure_block_seconds`), as capacity keys: `block_flops_per_s` (the
+    timed on `device` in the peer's compute dtype (`dtype`: 'fp32' or 'bf16'; the block runs in
+    it, close to what autocast computes) (`measure_block_seconds`), as capacity keys: `block_flops_per_s` (the
     block's traced FLOPs over its measured seconds, divided by `slowdown`) and `block_seconds`.
     The planner prefers this calibrated rate to the matmul probe's (`placement.peer_capacity`):
     small kernels, and everything around them, run far below peak matmul speed. {} when the
@@ -51,6 +52,7 @@ def block_capacity(manifest, device: str, *, slowdown: float = 1.0) -> dict:
             manifest.model_config,
             microbatch_size=manifest.batch.microbatch_size,
             device=device,
+            dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
             repeats=5,
             warmup=2,
         )

@@ -152,7 +152,7 @@ class StagePeer:
         self.capacity = await self._loop.run_in_executor(None, probe)  # alone: it times compute
         self.capacity.update(
             await self._loop.run_in_executor(
-                None, partial(block_capacity, manifest, cfg.device, slowdown=cfg.slowdown)
+                None, partial(block_capacity, manifest, cfg.device, slowdown=cfg.slowdown, dtype=cfg.dtype)
             )
         )
         self.capacity.update(cfg.announce)
@@ -266,6 +266,7 @@ class StagePeer:
             microbatch_size=manifest.batch.microbatch_size,
             max_steps=manifest.max_steps,
             versions=self.config.versions,
+            compute_dtype=self.config.dtype,
         )
         state_bytes, act_bytes = self._memory[stage]
         free = float(self.capacity.get("memory_bytes", 2**34)) - state_bytes

@@ -60,6 +60,8 @@ class InProcessConfig:
     """Replicas per stage."""
     slowdowns: dict[str, float] = field(default_factory=dict)
     """Replica name ('s{stage}r{index}') -> compute takes this many times longer."""
+    dtypes: dict[str, str] = field(default_factory=dict)
+    """Replica name -> what it computes in ('bf16': autocast; default 'fp32')."""
     microbatch_timeout_s: float = 10.0
     max_retries: int = 6
     max_dropped_fraction: float = 0.0
@@ -124,7 +126,11 @@ class InProcessSwarm:
             m.model, m.model_config, start, end, num_blocks=m.num_blocks, seed=m.seed, loss=m.loss
         )
         runner = StageRunner(
-            module, m.optimizer, microbatch_size=m.batch.microbatch_size, max_steps=m.max_steps
+            module,
+            m.optimizer,
+            microbatch_size=m.batch.microbatch_size,
+            max_steps=m.max_steps,
+            compute_dtype=self.config.dtypes.get(name, "fp32"),
         )
         slowdown = self.config.slowdowns.get(name, 1.0)
         scheduler = ComputeScheduler(

@@ -26,6 +26,11 @@ The contract with the peer shell around it:
 - Policy versions: `step` is also the parameters' version; once someone asked for weights,
   `apply_step` first copies the outgoing version into `versions` (`train.versions`), and
   `import_state` and `relabel` forget what it held.
+- Mixed precision (`compute_dtype` bf16): forward and backward run under autocast, while
+  parameters, their gradients and the optimizer state stay float32 (the master copy). What
+  crosses a stage boundary keeps the stage's declared dtype (float32 activations and
+  gradients), so peers computing in different dtypes serve one run, and replicas stay
+  bit-identical: each applies the same summed total, whatever it computed its share in.
 All methods run on the caller's thread; the shell calls them from one worker thread.
 """
 
@@ -48,6 +53,9 @@ from swarmtrain.train.optim import StepGuard, lr_at, make_optimizer, set_lr
 from swarmtrain.train.versions import PolicyVersions, VersionsConfig
 from swarmtrain.wire.frames import all_finite
 from swarmtrain.wire.records import OptimizerConfig
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+"""What a runner may compute in (`compute_dtype`), and the autocast dtype of each."""
 
 
 @dataclass(frozen=True)
@@ -83,12 +91,17 @@ class StageRunner:
         bounds: BoundsConfig | None = None,
         max_steps: int = 0,
         versions: VersionsConfig | None = None,
+        compute_dtype: str = "fp32",
     ):
         """`max_steps`: the run's step count, which the learning-rate schedule decays over
         (`optim.lr_at`; 0: the run has none, and the schedule must not need one); `versions`:
-        how many policy versions of the parameters to keep for weights requests."""
+        how many policy versions of the parameters to keep for weights requests;
+        `compute_dtype`: 'fp32', or 'bf16' (autocast; see the module docstring)."""
+        if compute_dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {sorted(AUTOCAST_DTYPES)}, got {compute_dtype!r}")
         self.module = module
         self.device = next(module.parameters()).device
+        self.compute_dtype = compute_dtype
         self.named_params = {
             f"{key}.{name}": p
             for key, part in module.parts()
@@ -178,7 +191,9 @@ class StageRunner:
         """Run the stage on `x`, keep what backward needs, return the detached output (CPU)."""
         x = self._input(x)
         with torch.enable_grad():
-            out = self.module(x)
+            with self._autocast():
+                out = self.module(x)
+            out = out.to(self.output_spec.dtype)  # the boundary keeps the stage's declared dtype
         self._pending[mb_id] = (x, out)
         return out.detach().cpu()
 
@@ -208,7 +223,9 @@ class StageRunner:
         x = self._input(x)
         inputs = {name: t.to(self.device) for name, t in loss_inputs.items()}
         with torch.enable_grad():
-            loss = self.module.loss(self.module(x), inputs)
+            with self._autocast():
+                loss = self.module.loss(self.module(x), inputs)
+            loss = loss.float()
         value = float(loss.detach())
         if not math.isfinite(value):
             raise RemoteError(f"microbatch {mb_id} has a non-finite loss ({value})", cause=Cause.REFUSED)
@@ -238,6 +255,13 @@ class StageRunner:
         if not math.isfinite(value) or not all_finite(scores):
             raise RemoteError("a score pass gave a non-finite loss or score", cause=Cause.REFUSED)
         return value, scores
+
+    def _autocast(self):
+        """Forward (and the backward autograd records for it) in the compute dtype."""
+        dtype = AUTOCAST_DTYPES[self.compute_dtype]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     @contextlib.contextmanager
     def _scoring(self, step: int):
