@@ -71,6 +71,10 @@ class PeerView(BaseModel):
     in_flight_budget: int = Field(description="Microbatches the peer may hold at once (0: unknown).")
     holding: int = Field(description="Microbatches whose activations the peer holds now.")
     busy_s: float = Field(description="Seconds of compute since the peer started.")
+    exchange_s: float = Field(
+        description="Moving average of the seconds a step's gradient exchange with its stage's other replicas "
+        "takes the peer (what the planner charges replicas per step); 0 if it never exchanged."
+    )
     memory_used_bytes: int
     memory_total_bytes: int | None = Field(description="capacity.memory_bytes; null when unknown.")
     replayed: int
