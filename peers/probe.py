@@ -69,7 +69,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """Map a --dtype value to what a stage peer on `device` computes in: 'fp32' or 'bf16'.
 
     'auto' takes bf16 on a CUDA device that supports it (2-16x the fp32 rate and half the
-    activation memory), else fp32: on a CPU, bf16 autocast is rarely faster. 'fp16' needs loss
+    activation memory), else fp32: a CPU swarm then matches one process to rounding, though a
+    CPU with native bf16 may well be faster with 'bf16' (`benchmarks/mixed_precision.py`
+    measures it). 'fp16' needs loss
     scaling, which stage peers do not do yet: ConfigError, as for a name that is not a dtype,
     or bf16 on a CUDA device without it."""
     dtype = dtype.strip().lower()

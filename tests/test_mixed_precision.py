@@ -91,7 +91,7 @@ def test_a_bf16_swarm_trains_near_float32_and_its_replicas_stay_bit_identical(dt
 
 
 def test_dtype_flags_are_resolved_or_refused_with_what_to_do():
-    assert resolve_dtype("auto", "cpu") == "fp32"  # bf16 autocast is rarely faster on a CPU
+    assert resolve_dtype("auto", "cpu") == "fp32"  # CPU swarms match one process unless asked
     assert resolve_dtype("BF16", "cpu") == "bf16" and resolve_dtype("fp32", "cpu") == "fp32"
     with pytest.raises(ConfigError, match="fp16 needs loss scaling"):
         resolve_dtype("fp16", "cpu")
