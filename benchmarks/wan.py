@@ -23,7 +23,7 @@ encode and decode time for one frame. One JSON document goes to stdout.
 Needs root and `ip`/`tc`: otherwise it says so and exits with code 2, never falling back to
 loopback. Namespaces, links, qdiscs and peer processes are removed on exit, error or Ctrl+C.
 
-`--peers swarm [--steps 8]` runs real swarmtrain peers instead (a coordinator, one `join` per
+`--peers swarm [--steps 8] [--streams per-frame,reuse]` runs real swarmtrain peers instead (a coordinator, one `join` per
 stage, `train`; benchmarks/wan_swarm.py): tokens/s with model compute, bytes per token from
 the peers' counters, and whether the link or the CPU limits each run.
 """
@@ -304,6 +304,12 @@ def main() -> None:
         "--steps", type=int, default=8, help="--peers swarm: optimizer steps per codec and rate"
     )
     parser.add_argument(
+        "--streams",
+        default="per-frame,reuse",
+        help="--peers swarm: the peers' stream use, comma-separated, each run side by side: 'reuse' "
+        "(idle streams carry the next call) and 'per-frame' (a stream per call, the transport before)",
+    )
+    parser.add_argument(
         "--microbatches-per-step",
         type=int,
         default=8,
@@ -314,6 +320,9 @@ def main() -> None:
         return peer_main(args)
 
     args.codecs = args.codecs.split(",")
+    args.streams = args.streams.split(",")
+    if set(args.streams) - {"reuse", "per-frame"}:
+        parser.error(f"--streams: each must be 'reuse' or 'per-frame', got {args.streams}")
     for name in args.codecs:
         try:
             get_codec(name)

@@ -100,7 +100,7 @@ def _wait_file(proc: subprocess.Popen, path: Path, log: Path, what: str) -> str:
     raise RunFailed(f"{what} did not start within {START_TIMEOUT_S:.0f} s:\n{_tail(log)}")
 
 
-def start_swarm(net: WanNet, run: SwarmRun, codec: str, tmp: Path) -> str:
+def start_swarm(net: WanNet, run: SwarmRun, codec: str, tmp: Path, streams: str = "reuse") -> str:
     """Start the coordinator in namespace 0 and one stage peer per stage in namespaces
     1..stages; return the coordinator's address once every stage peer serves."""
     address_file, log = tmp / "coordinator.address", tmp / "coordinator.log"
@@ -119,6 +119,7 @@ def start_swarm(net: WanNet, run: SwarmRun, codec: str, tmp: Path) -> str:
         proc = _spawn_logged(net, k, _cli(
             "join", "--initial-peers", address, "--run-id", RUN_ID, "--stage", str(stage), "--gpu", "cpu",
             "--host", net.address(k), "--threads", "1", "--rebalance-every", "0", "--ready-file", str(ready),
+            "--streams", streams,
         ), log)  # fmt: skip
         joins.append((proc, ready, log, f"stage {stage} peer"))
     for proc, ready, log, what in joins:
@@ -126,11 +127,11 @@ def start_swarm(net: WanNet, run: SwarmRun, codec: str, tmp: Path) -> str:
     return address
 
 
-def train(net: WanNet, run: SwarmRun, address: str, tmp: Path) -> list[dict]:
+def train(net: WanNet, run: SwarmRun, address: str, tmp: Path, streams: str = "reuse") -> list[dict]:
     """Run `swarmtrain train --jsonl` in namespace 0 to the end; its per-step records."""
     log = tmp / "train.log"
     argv = _cli("train", "--initial-peers", address, "--run-id", RUN_ID, "--steps", str(run.steps),
-                "--threads", "1", "--jsonl")  # fmt: skip
+                "--threads", "1", "--jsonl", "--streams", streams)  # fmt: skip
     with open(log, "wb") as err:
         proc = net.spawn(0, argv, stdout=subprocess.PIPE, stderr=err, cwd=REPO, env=_env(), text=True)
         try:
@@ -152,17 +153,32 @@ def stage_records(net: WanNet, address: str) -> list[dict]:
     return [p for p in json.loads(proc.stdout)["peers"] if p.get("role") == "stage"]
 
 
-def measure(run: SwarmRun, rate_mbit: float, codec: str) -> dict:
-    """One fresh swarm at `rate_mbit` with `codec`: its step records and stage peer records."""
+def measure(run: SwarmRun, rate_mbit: float, codec: str, streams: str = "reuse") -> dict:
+    """One fresh swarm at `rate_mbit` with `codec`, its peers' calls on `streams` ('reuse' or
+    'per-frame'): its step records and stage peer records."""
     config = WanConfig(num_peers=run.stages + 1, rate_mbit=rate_mbit, queue_ms=run.queue_ms)
     with tempfile.TemporaryDirectory(prefix="wan-swarm-") as tmp, WanNet(config) as net:
-        address = start_swarm(net, run, codec, Path(tmp))
-        steps = train(net, run, address, Path(tmp))
+        address = start_swarm(net, run, codec, Path(tmp), streams)
+        try:
+            steps = train(net, run, address, Path(tmp), streams)
+        except RunFailed as e:  # what the stage peers said of each other's frames, if anything
+            raise RunFailed(f"{e}\nstage peers' bad frames: {_bad_frames(Path(tmp))}") from None
         time.sleep(HEARTBEAT_WAIT_S)
-        return {"steps": steps, "peers": stage_records(net, address), "qdisc": net.qdiscs()[1]}
+        return {"steps": steps, "peers": stage_records(net, address), "qdisc": net.qdiscs()[1],
+                "bad_frames": _bad_frames(Path(tmp))}  # fmt: skip
 
 
-def summarize(run: SwarmRun, rate_mbit: float, codec: str, measured: dict) -> dict:
+def _bad_frames(tmp: Path) -> list[str]:
+    """The stage peers' log lines about bad frames and bans (a frame that stalled on the link
+    reads as one)."""
+    lines = []
+    for log in sorted(tmp.glob("stage*.log")):
+        lines += [f"{log.stem}: {line.strip()}" for line in log.read_text(errors="replace").splitlines()
+                  if "bad frame from" in line or "banned peer" in line]  # fmt: skip
+    return lines[:20]
+
+
+def summarize(run: SwarmRun, rate_mbit: float, codec: str, measured: dict, streams: str = "reuse") -> dict:
     """Tokens/s (median after warm-up), wire bytes per token, compression, and the bottleneck."""
     steps, peers = measured["steps"], measured["peers"]
     per_step = [s["tokens_per_s"] for s in steps[WARMUP_STEPS:]] or [s["tokens_per_s"] for s in steps]
@@ -178,6 +194,7 @@ def summarize(run: SwarmRun, rate_mbit: float, codec: str, measured: dict) -> di
     busy_per_cpu = sum(p["busy_s"] for p in peers) / train_s / (os.cpu_count() or 1)
     return {
         "codec": codec,
+        "streams": streams,
         "tokens_per_s": round(tokens_per_s),
         "tokens_per_s_per_step": [round(t) for t in per_step],
         "steps": len(steps),
@@ -191,6 +208,7 @@ def summarize(run: SwarmRun, rate_mbit: float, codec: str, measured: dict) -> di
         "stage_busy_fraction": busy,
         "stage_busy_per_cpu": round(busy_per_cpu, 2),
         "bottleneck": bottleneck(of_link, busy_per_cpu),
+        "bad_frames": measured.get("bad_frames", []),
     }
 
 
@@ -203,10 +221,29 @@ def bottleneck(of_link_bound: float, busy_per_cpu: float) -> str:
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """Set each row's speedup_vs_none against the 'none' row of the same rate (None without one)."""
-    base = next((r["tokens_per_s"] for r in rows if r["codec"] == "none"), None)
+    """Set each row's speedup_vs_none against the 'none' row of the same rate and streams, and
+    each 'reuse' row's reuse_vs_per_frame against the 'per-frame' row of its codec (None without one)."""
     for r in rows:
+        streams = r.get("streams", "reuse")
+        base = next(
+            (
+                b["tokens_per_s"]
+                for b in rows
+                if b["codec"] == "none" and b.get("streams", "reuse") == streams
+            ),
+            None,
+        )
         r["speedup_vs_none"] = round(r["tokens_per_s"] / base, 2) if base else None
+        if streams == "reuse":
+            old = next(
+                (
+                    b["tokens_per_s"]
+                    for b in rows
+                    if b["codec"] == r["codec"] and b.get("streams") == "per-frame"
+                ),
+                None,
+            )
+            r["reuse_vs_per_frame"] = round(r["tokens_per_s"] / old, 2) if old else None
 
 
 def run_all(args: argparse.Namespace, rates: list[float]) -> dict:
@@ -217,16 +254,17 @@ def run_all(args: argparse.Namespace, rates: list[float]) -> dict:
     for rate in rates:
         rows = []
         for codec in args.codecs:
-            print(f"swarm: {rate:g} Mbit/s, {codec} ...", file=sys.stderr, flush=True)
-            started = time.monotonic()
-            try:
-                result = measure(run, rate, codec)
-            except RunFailed as e:
-                rows.append({"codec": codec, "error": str(e)})
-                continue
-            row = summarize(run, rate, codec, result)
-            row["wall_s"] = round(time.monotonic() - started, 1)
-            rows.append(row)
+            for streams in args.streams:  # side by side: each codec on each transport in turn
+                print(f"swarm: {rate:g} Mbit/s, {codec}, streams {streams} ...", file=sys.stderr, flush=True)
+                started = time.monotonic()
+                try:
+                    result = measure(run, rate, codec, streams)
+                except RunFailed as e:
+                    rows.append({"codec": codec, "streams": streams, "error": str(e)})
+                    continue
+                row = summarize(run, rate, codec, result, streams)
+                row["wall_s"] = round(time.monotonic() - started, 1)
+                rows.append(row)
         add_speedups([r for r in rows if "error" not in r])
         measured.append({"rate_mbit": rate, "results": rows})
     return {

@@ -16,6 +16,7 @@ from swarmtrain.cli.options import (
     Port,
     RunId,
     RunOwner,
+    Streams,
     SwarmKeyPath,
     Threads,
     Verbose,
@@ -85,9 +86,11 @@ def join(
         float,
         typer.Option(
             min=0.01,
-            help="Seconds a request may take to arrive whole once its stream opens; then it is refused.",
+            help="Seconds a request may take to begin once its stream opens, and to send its next "
+            "byte; a request that stops arriving is refused, and a half-sent one counts as a bad frame.",
         ),
     ] = 30.0,
+    streams: Streams = "reuse",
     spot: Annotated[bool, typer.Option("--spot", help="This machine may be preempted at any time.")] = False,
     max_memory: Annotated[
         str | None,
@@ -198,7 +201,10 @@ def join(
     def transport() -> TransportConfig:
         """The frame flags, which every role's streams honour."""
         return TransportConfig(
-            max_frame_bytes=int(max_frame_mb * 2**20), max_strikes=max_strikes, read_timeout_s=read_timeout
+            max_frame_bytes=int(max_frame_mb * 2**20),
+            max_strikes=max_strikes,
+            read_timeout_s=read_timeout,
+            reuse_streams=streams == "reuse",
         )
 
     def main() -> None:

@@ -24,6 +24,7 @@ from swarmtrain.cli.options import (  # noqa: E402
     InitialPeers,
     RunId,
     RunOwner,
+    Streams,
     SwarmKeyPath,
     Threads,
     Verbose,
@@ -102,6 +103,7 @@ def train(
             show_default="no fault",
         ),
     ] = None,
+    streams: Streams = "reuse",
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     run_owner: RunOwner = None,
@@ -116,6 +118,7 @@ def train(
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.train.data import text_batches_for
     from swarmtrain.train.run_length import last_step_message
+    from swarmtrain.transport import TransportConfig
 
     def main() -> None:
         if threads:
@@ -133,6 +136,7 @@ def train(
             min_trainers=min_trainers,
             verify_replicas=verify_replicas,
             fault=inject_fault,
+            transport=TransportConfig(reuse_streams=streams == "reuse"),
         )
         with Trainer(config) as trainer:
             models = ModelSources(allow=tuple(allow_model or ()))

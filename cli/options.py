@@ -74,6 +74,24 @@ Threads = Annotated[
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log progress to stderr.")]
 
 
+def check_streams_flag(streams: str) -> str:
+    """Reject an unknown --streams while the flags are parsed."""
+    if streams not in ("reuse", "per-frame"):
+        raise ConfigError(f"--streams must be 'reuse' or 'per-frame', got {streams!r}")
+    return streams
+
+
+Streams = Annotated[
+    str,
+    typer.Option(
+        "--streams",
+        help="'reuse': a call to a peer goes over an idle stream an earlier call opened; 'per-frame': "
+        "every call opens a stream of its own (slower over a slow link; kept to compare against).",
+        callback=check_streams_flag,
+    ),
+]
+
+
 def check_allow_model_flag(patterns: list[str] | None) -> list[str]:
     """Reject an --allow-model that is not a pattern of import paths while the flags are parsed."""
     from swarmtrain.model import ModelSources

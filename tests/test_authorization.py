@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from swarmtrain.errors import Cause, RemoteError
+from swarmtrain.errors import Cause, ConfigError, RemoteError
 from swarmtrain.train import step as step_module
 from swarmtrain.train.authority import (
     RunAuthority,
@@ -124,6 +124,39 @@ def test_an_unknown_peer_is_decided_again_after_one_refresh_at_most_once_per_int
     refreshes, first, outsider, later = asyncio.run(scenario())
     assert first is None and outsider is not None and later is not None
     assert refreshes == 2
+
+
+def test_a_caller_only_membership_refuses_is_spared_strikes_for_the_grace_then_struck():
+    now = [100.0]
+
+    async def refresh():  # a DHT read that comes back without the caller (a congested link)
+        pass
+
+    async def scenario():
+        authority = RunAuthority(
+            trainers=lambda: (A,),
+            stage_of=MEMBERS.get,
+            refresh=refresh,
+            refresh_interval_s=1.0,
+            unknown_grace_s=30.0,
+            clock=lambda: now[0],
+        )
+        mb = microbatch_id(A, 0, 0, 0)
+        first = await authority.check("forward", "newcomer", stage=1, mb_id=mb)
+        now[0] += 29.0
+        within = await authority.check("forward", "newcomer", stage=1, mb_id=mb)
+        now[0] += 1.0
+        past = await authority.check("forward", "newcomer", stage=1, mb_id=mb)
+        # refusals membership does not decide are never spared
+        hijack = await authority.check("forward", "s0r1", stage=0, mb_id=mb)
+        return first, within, past, hijack
+
+    first, within, past, hijack = asyncio.run(scenario())
+    assert first.pending and within.pending and "is not a replica of stage 0" in first.reason
+    assert past is not None and not past.pending
+    assert hijack is not None and not hijack.membership and not hijack.pending
+    with pytest.raises(ConfigError, match="unknown_grace_s must be >= 0"):
+        RunAuthority(trainers=lambda: None, stage_of=MEMBERS.get, refresh=refresh, unknown_grace_s=-1)
 
 
 def test_resync_goes_only_to_steps_an_authorized_trainer_committed():

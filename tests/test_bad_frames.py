@@ -142,7 +142,10 @@ def test_an_outsiders_forward_is_refused_before_it_is_read(swarm):
         return info.value
 
     error = asyncio.run(with_client(swarm, send, member=False))
-    assert error.retryable is False and error.cause == Cause.UNAUTHORIZED
+    # only the membership refuses it: for a while that may be our view lagging a newcomer, so it
+    # is refused without a strike and may ask again (authority.UNKNOWN_PEER_GRACE_S)
+    assert error.retryable is True and error.cause == Cause.UNAUTHORIZED
+    assert "it may not have the caller yet" in str(error)
 
 
 def test_garbage_bytes_and_oversized_frames_are_refused_before_reading_them(swarm):

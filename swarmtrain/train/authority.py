@@ -22,7 +22,11 @@ and only the membership rules hold.
 Membership is the run's announced peer records, as this replica last read them. A replica
 that joined a heartbeat ago may not be in that view yet, so a refusal that membership
 decides is decided again after one refresh of the view (`RunAuthority.check`, at most one
-refresh per `refresh_interval_s`).
+refresh per `refresh_interval_s`). One refresh is not always enough: over a congested link a
+DHT read's replies wait behind the frames and it returns what it has, which can still lack a
+peer that joined. So a caller that only membership refuses is refused without a strike, and
+may ask again, for `unknown_grace_s` after its first such refusal; past that, each one is a
+strike (`Refusal.pending`).
 
 Resync: a peer record's step is the peer's own claim. A lagging replica catches up only to
 a step some authorized trainer committed (`committed_step`, `resync_sources`), and a joining
@@ -32,6 +36,7 @@ one tries such replicas first (`join_sources`): a forged high step draws nobody 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -49,6 +54,11 @@ REFRESH_INTERVAL_S = 1.0
 """Least time between two reads of the membership on behalf of refused requests."""
 REFRESH_TIMEOUT_S = 5.0
 """Longest wait for one such read: a refused request waits for it."""
+UNKNOWN_PEER_GRACE_S = 30.0
+"""How long after its first refusal a caller that only the membership refuses is refused
+without a strike (see the module docstring): several heartbeats and refreshes."""
+MAX_UNKNOWN_PEERS = 4096
+"""Callers whose first membership refusal is remembered; the oldest are forgotten past this."""
 
 
 def microbatch_id(trainer: str, step: int, epoch: int, n: int) -> str:
@@ -74,6 +84,9 @@ class Refusal:
     reason: str
     membership: bool
     """The run's membership decided it: a fresher view of it may decide otherwise."""
+    pending: bool = False
+    """Membership decided it within `unknown_grace_s` of the caller's first such refusal: the
+    caller may be a peer our view lacks yet, so it is no strike and the caller may ask again."""
 
 
 def refusal(
@@ -169,15 +182,21 @@ class RunAuthority:
     """The peers the run lets fetch its weights by version; None: anyone (`RunManifest.weight_readers`)."""
     refresh_interval_s: float = REFRESH_INTERVAL_S
     """Least time between two refreshes on behalf of refused requests."""
+    unknown_grace_s: float = UNKNOWN_PEER_GRACE_S
+    """How long after its first refusal a caller that only membership refuses is refused without
+    a strike (0: from the first; for views that a refresh makes complete, as in-process)."""
     clock: Callable[[], float] = time.monotonic
     refreshes: int = field(default=0, init=False)
     """Refreshes done on behalf of refused requests."""
     _refreshed_at: float = field(default=-math.inf, init=False)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
+    _unknown_since: dict[str, float] = field(default_factory=dict, init=False)
 
     def __post_init__(self):
         if self.refresh_interval_s < 0:
             raise ConfigError(f"refresh_interval_s must be >= 0, got {self.refresh_interval_s}")
+        if self.unknown_grace_s < 0:
+            raise ConfigError(f"unknown_grace_s must be >= 0, got {self.unknown_grace_s}")
 
     def decide(
         self, kind: str, caller: str, *, stage: int, mb_id: str = "", group: Collection[str] | None = None
@@ -203,6 +222,14 @@ class RunAuthority:
         refused = self.decide(kind, caller, stage=stage, mb_id=mb_id, group=group)
         if refused is not None and refused.membership and await self._refresh_once():
             refused = self.decide(kind, caller, stage=stage, mb_id=mb_id, group=group)
+        if refused is None or not refused.membership:
+            return refused
+        now = self.clock()
+        first = self._unknown_since.setdefault(caller, now)
+        if len(self._unknown_since) > MAX_UNKNOWN_PEERS:
+            del self._unknown_since[next(iter(self._unknown_since))]
+        if now - first < self.unknown_grace_s:
+            return dataclasses.replace(refused, pending=True)
         return refused
 
     async def _refresh_once(self) -> bool:

@@ -158,6 +158,7 @@ class InProcessSwarm:
                 stage_of=lambda peer: self.members.get(peer),
                 refresh=self.refresh_members,
                 weight_readers=lambda: m.weight_readers,
+                unknown_grace_s=0.0,  # a refresh here reads the whole membership: no peer hides
             ),
         )
         service = StageService(ctx)

@@ -87,9 +87,12 @@ class StageService:
         try:
             refused = await self._authorize(frame, caller)
             if refused is not None:
-                ctx.transport.strike(caller, refused.reason)
                 message = f"stage {ctx.stage} refused {_what(frame)}: {refused.reason}"
-                return self._error(message, Cause.UNAUTHORIZED, mb_id=frame.mb_id)
+                if refused.pending:  # perhaps a peer that joined moments ago: ask again, no strike
+                    message += " (as far as this peer's view of the run goes; it may not have the caller yet)"
+                else:
+                    ctx.transport.strike(caller, refused.reason)
+                return self._error(message, Cause.UNAUTHORIZED, mb_id=frame.mb_id, retryable=refused.pending)
             if frame.kind == "forward":
                 return await self._forward(frame, caller)
             if frame.kind == "step":

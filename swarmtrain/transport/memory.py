@@ -177,7 +177,7 @@ class MemoryTransport(TensorTransport):
 
     async def answer(self, sender: str, name: str, request: bytes) -> Frame:
         """Read an encoded request as it would come off a stream and answer it (the serving side)."""
-        reply = await self._answer(sender, _reader(request), self.handlers[name])
+        reply, _whole = await self._answer(sender, _reader(request), self.handlers[name])
         assert reply is not None
         data, nbytes = _on_the_wire(reply)
         self._count_sent(reply, nbytes)
