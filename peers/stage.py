@@ -48,7 +48,7 @@ from swarmtrain.schedule import (
     in_flight_budget,
 )
 from swarmtrain.schedule.runtime import ComputeScheduler
-from swarmtrain.swarm import SwarmNode, stage_replicas
+from swarmtrain.swarm import SwarmNode, fresher_view, stage_replicas
 from swarmtrain.train.authority import RunAuthority, StepClaims
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.layout import await_first_layout
@@ -58,7 +58,8 @@ from swarmtrain.train.service import StageService
 from swarmtrain.train.serving import ServeCounters
 from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, handler_name
-from swarmtrain.wire.keys import MANIFEST_TTL_S
+from swarmtrain.trust.records import open_member_proof
+from swarmtrain.wire.keys import MANIFEST_TTL_S, peers_key
 from swarmtrain.wire.records import MAX_BANNED_LISTED, PeerRecord, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,8 @@ class StagePeer:
         )
         self.router = RoundRobinRouter() if manifest.schedule == "static" else ReadinessRouter()
         self.transport = TensorTransport(await node.p2p(), cfg.transport, swarm_key=node.swarm_key)
+        if cfg.device.startswith("cuda"):  # compressed activations and gradients decode on the GPU
+            self.transport.decode_device = torch.device(cfg.device)
         self._take_stage(self.stage)
         if cfg.rebalance_s > 0:
             from swarmtrain.train.placement import StageRebalancer
@@ -295,10 +298,12 @@ class StagePeer:
                 replicas=lambda k: self._replicas.get(k, []),
                 refresh=self.refresh_replicas,
                 link_bandwidth=self._bandwidth_to,
+                membership_proof=lambda: self.node.membership_proof(manifest.run_id),
                 authority=RunAuthority(
                     trainers=self._claims.trainers,
                     stage_of=lambda peer: self._members.get(peer),
                     refresh=self.refresh_replicas,
+                    prove=self._take_proof,
                     owner=lambda: self.node.owner_of(manifest.run_id),
                     weight_readers=lambda: manifest.weight_readers,
                 ),
@@ -425,7 +430,8 @@ class StagePeer:
         """Re-read the swarm's serving peers (after `wait_s`); their readiness feeds the router."""
         if wait_s > 0:
             await asyncio.sleep(wait_s)
-        self._records = await self.node.peers_async(self.manifest.run_id)
+        read = await self.node.peers_async(self.manifest.run_id)
+        self._records = fresher_view(self._records, read, self.peer_id)  # a read may come back partial
         self._members = {r.peer_id: r.stage for r in self._records if r.role == "stage"}
         by_stage = stage_replicas(self._records, self.manifest.layout_version)
         self._replicas = {
@@ -438,6 +444,23 @@ class StagePeer:
                     r.peer_id, backlog_s=r.backlog_s, service_s=r.service_s, now=now, from_reply=False
                 )
         self.router.forget({r.peer_id for r in self._records})
+
+    def _take_proof(self, caller: str, proof) -> bool:
+        """Take `caller`'s membership proof (its signed peer record, carried by its forward) into
+        this peer's view of the run if it holds; True if it did (`RunAuthority.prove`)."""
+        try:
+            body = open_member_proof(
+                proof, key=peers_key(self.manifest.run_id), signer=caller, now=get_dht_time()
+            )
+            record = PeerRecord.from_dict(body)
+        except (ConfigError, KeyError, TypeError, ValueError) as e:
+            logger.info("membership proof from %s refused: %s", caller[-8:], e)
+            return False
+        if record.peer_id != caller or record.role != "stage":
+            return False
+        self._records = fresher_view(self._records, [record], self.peer_id)
+        self._members[caller] = record.stage
+        return True
 
     def _bandwidth_to(self, peer: str) -> float | None:
         """Measured bytes/s to `peer` (its link probe), else this peer's median link."""

@@ -159,6 +159,34 @@ def test_a_caller_only_membership_refuses_is_spared_strikes_for_the_grace_then_s
         RunAuthority(trainers=lambda: None, stage_of=MEMBERS.get, refresh=refresh, unknown_grace_s=-1)
 
 
+def test_a_membership_proof_admits_a_caller_the_view_lacks_without_a_refresh():
+    members, refreshes = dict(MEMBERS), []
+
+    async def refresh():  # a DHT read that comes back without the caller (a congested link)
+        refreshes.append(1)
+
+    def prove(caller, proof):
+        if proof != f"signed record of {caller} at stage 0":
+            return False
+        members[caller] = 0
+        return True
+
+    async def scenario():
+        authority = RunAuthority(trainers=lambda: (A,), stage_of=members.get, refresh=refresh, prove=prove)
+        mb = microbatch_id(A, 0, 0, 0)
+        proven = await authority.check(
+            "forward", "newcomer", stage=1, mb_id=mb, proof="signed record of newcomer at stage 0"
+        )
+        forged = await authority.check(
+            "forward", "other", stage=1, mb_id=mb, proof="signed record of newcomer at stage 0"
+        )
+        return proven, forged
+
+    proven, forged = asyncio.run(scenario())
+    assert proven is None and members["newcomer"] == 0 and refreshes == [1]  # only the forged one refreshed
+    assert forged is not None and forged.pending and "other" not in members
+
+
 def test_resync_goes_only_to_steps_an_authorized_trainer_committed():
     points = [
         TrainerPoint(trainer=A, step=4, loss=1.0, tokens_per_s=1.0, t=0.0),

@@ -132,7 +132,9 @@ def test_a_header_promising_200_mib_commits_only_what_arrives_and_its_stall_is_a
     assert peak < 32 * MiB, f"{peak / MiB:.0f} MiB traced at the peak"
     assert served.budget.total_bytes == 0  # freed once answered
     assert stalled.error_cause() == Cause.UNREACHABLE
-    assert f"frame stalled: {len(head) + sent} bytes of it arrived, then none for 3.0 s" in stalled.error_text()
+    assert (
+        f"frame stalled: {len(head) + sent} bytes of it arrived, then none for 3.0 s" in stalled.error_text()
+    )
     # a stream that never began a frame costs nothing and is no strike; the stalled frame is one
     assert "request did not arrive within 3.0 s" in silent.error_text()
     assert served.strikes(client_id) == 1

@@ -449,3 +449,19 @@ def test_an_rl_manifest_round_trips_and_its_settings_are_checked():
             RLConfig.from_dict({"task": "add", **bad})
     with pytest.raises(ConfigError, match="rl: unknown field"):
         RLConfig.from_dict({"task": "add", "temperature": 2})
+
+
+def test_a_partial_read_of_the_run_keeps_the_peers_it_lacks_and_a_whole_one_replaces_the_view():
+    from swarmtrain.swarm import fresher_view
+
+    def rec(peer: str, stage: int) -> PeerRecord:
+        return PeerRecord(peer_id=peer, role="stage", stage=stage)
+
+    view = [rec("me", 1), rec("up", 0), rec("down", 2)]
+    # a read that came back from a node that missed stores: neither our own record nor "up"
+    partial = fresher_view(view, [rec("down", 2), rec("new", 0)], "me")
+    assert {(r.peer_id, r.stage) for r in partial} == {("me", 1), ("up", 0), ("down", 2), ("new", 0)}
+    assert set(map(id, fresher_view(view, [], "me"))) == set(map(id, view))  # a read that found nothing
+    # a whole read (it holds our own record) is the view: "up" left, "down" moved
+    whole = fresher_view(partial, [rec("me", 1), rec("down", 0)], "me")
+    assert [(r.peer_id, r.stage) for r in whole] == [("me", 1), ("down", 0)]

@@ -256,3 +256,27 @@ def test_a_coordinators_address_survives_a_restart(tmp_path):
     first = start_and_stop()
     assert start_and_stop() == first
     assert first.endswith(Identity.load(data_dir() / "identity" / "coordinator-0.key").peer_id)
+
+
+def test_a_membership_proof_opens_for_its_signer_and_every_forgery_is_named(keys):
+    from swarmtrain.trust.records import member_proof, open_member_proof
+
+    me, other, _ = keys
+    key, now = peers_key("run-1"), get_dht_time()
+    proof = member_proof(sign_record(me, key, peer_body(me), now + 30), now + 30)
+    assert open_member_proof(proof, key=key, signer=me.peer_id, now=now)["peer_id"] == me.peer_id
+
+    def refused(p, match, *, signer=me.peer_id, at=now, for_key=key):
+        with pytest.raises(ConfigError, match=match):
+            open_member_proof(p, key=for_key, signer=signer, now=at)
+
+    refused(proof, "signed by another peer than the caller", signer=other.peer_id)  # replayed by another
+    refused(proof, "has expired", at=now + 31)
+    refused(proof, "not of", for_key=peers_key("run-2"))
+    refused([*proof[:4], now + 300], "bad signature")  # its life stretched
+    refused([proof[0], MSGPackSerializer.dumps(peer_body(me) | {"stage": 1}), *proof[2:]], "bad signature")
+    refused(proof[:4], r"\[key, body, pub, sig, expiration\]")
+    refused([proof[0], "body", *proof[2:]], "wrong types")
+    # another peer's record signed by me is no proof of its membership
+    forged = member_proof(sign_record(me, key, peer_body(other), now + 30), now + 30)
+    refused(forged, "", signer=me.peer_id)

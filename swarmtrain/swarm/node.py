@@ -24,7 +24,7 @@ from hivemind.utils import get_dht_time
 from swarmtrain.errors import ConfigError, RunNotFoundError, SwarmError
 from swarmtrain.trust.identity import Identity
 from swarmtrain.trust.owner import OwnerPins, choose_owner
-from swarmtrain.trust.records import open_record, sign_record, validators
+from swarmtrain.trust.records import member_proof, open_record, sign_record, validators
 from swarmtrain.trust.swarmkey import SwarmKey, load_swarm_key
 from swarmtrain.wire.keys import RUNS_KEY, layout_key, manifest_key, peers_key, run_summary, trainers_key
 from swarmtrain.wire.layout_record import LayoutRecord, apply_layout
@@ -172,6 +172,7 @@ class SwarmNode:
             identity = Identity.load(Path(scratch.name) / "peer.key")
         self.identity = identity or Identity.load(config.identity_path)
         self.pins = OwnerPins()
+        self._signed: dict[str, tuple[dict, float]] = {}  # key -> this peer's latest (envelope, expiration)
         self._owners: dict[str, str] = {}
         """run id -> the owner whose manifest this node accepted."""
         self._held: dict[tuple[str, str], tuple[dict, float]] = {}
@@ -234,6 +235,7 @@ class SwarmNode:
     def _put(self, key: str, body, expiration_time: float, *, wait: bool = True):
         """Store `body` under `key`, subkey this peer, signed; a future if not `wait`."""
         envelope = sign_record(self.identity, key, body, expiration_time)
+        self._signed[key] = (envelope, expiration_time)
         return self.dht.store(
             key, envelope, expiration_time=expiration_time, subkey=self.peer_id, return_future=not wait
         )
@@ -426,8 +428,27 @@ class SwarmNode:
     async def peers_async(self, run_id: str) -> list[PeerRecord]:
         return self._parse_peers(await self.dht.get(peers_key(run_id), latest=True, return_future=True))
 
+    def membership_proof(self, run_id: str) -> list | None:
+        """This peer's latest signed record of `run_id`, as a frame carries it to a peer whose view
+        of the run may lack it (`trust.records.member_proof`); None before the first announcement."""
+        signed = self._signed.get(peers_key(run_id))
+        return None if signed is None else member_proof(*signed)
+
     def peers(self, run_id: str) -> list[PeerRecord]:
         return self._parse_peers(self.dht.get(peers_key(run_id), latest=True))
+
+
+def fresher_view(previous: list[PeerRecord], read: list[PeerRecord], own: str) -> list[PeerRecord]:
+    """The run's peer records after a re-read: `read` itself when it holds `own` (this peer's
+    record, which it announces every heartbeat: a whole read), else `previous` updated with
+    the records `read` holds. Over a congested link a DHT read can come back from a node that
+    missed some stores, or with nothing at all; a peer whose record such a read lacks has not
+    left for that (a peer that left drops out of the next whole read, once its record expires),
+    and forgetting it would refuse its frames as an outsider's."""
+    if any(r.peer_id == own for r in read):
+        return read
+    merged = {r.peer_id: r for r in previous} | {r.peer_id: r for r in read}
+    return sorted(merged.values(), key=lambda r: (r.stage, r.peer_id))
 
 
 def stage_replicas(records: list[PeerRecord], layout: int | None = None) -> dict[int, list[PeerRecord]]:

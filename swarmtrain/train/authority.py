@@ -26,7 +26,9 @@ refresh per `refresh_interval_s`). One refresh is not always enough: over a cong
 DHT read's replies wait behind the frames and it returns what it has, which can still lack a
 peer that joined. So a caller that only membership refuses is refused without a strike, and
 may ask again, for `unknown_grace_s` after its first such refusal; past that, each one is a
-strike (`Refusal.pending`).
+strike (`Refusal.pending`). A replica forwarding a microbatch carries its own signed peer
+record with it (`ForwardMeta`'s companion key MEMBER_PROOF), the very record the DHT would
+hold, so that a receiver whose view lacks it learns it from the frame (`RunAuthority.prove`).
 
 Resync: a peer record's step is the peer's own claim. A lagging replica catches up only to
 a step some authorized trainer committed (`committed_step`, `resync_sources`), and a joining
@@ -182,6 +184,9 @@ class RunAuthority:
     """The peers the run lets fetch its weights by version; None: anyone (`RunManifest.weight_readers`)."""
     refresh_interval_s: float = REFRESH_INTERVAL_S
     """Least time between two refreshes on behalf of refused requests."""
+    prove: Callable[[str, Any], bool] = lambda caller, proof: False
+    """Check a membership proof a request carries (the caller's own signed peer record) and, if
+    it holds, take the record into the view `stage_of` answers from; True if it did."""
     unknown_grace_s: float = UNKNOWN_PEER_GRACE_S
     """How long after its first refusal a caller that only membership refuses is refused without
     a strike (0: from the first; for views that a refresh makes complete, as in-process)."""
@@ -215,11 +220,21 @@ class RunAuthority:
         )
 
     async def check(
-        self, kind: str, caller: str, *, stage: int, mb_id: str = "", group: Collection[str] | None = None
+        self,
+        kind: str,
+        caller: str,
+        *,
+        stage: int,
+        mb_id: str = "",
+        group: Collection[str] | None = None,
+        proof: Any = None,
     ) -> Refusal | None:
-        """`decide`, and when membership refuses, `decide` again after refreshing the view
-        (unless it was refreshed less than `refresh_interval_s` ago)."""
+        """`decide`, and when membership refuses, `decide` again after taking in the caller's
+        membership `proof` (its signed peer record, if the request carries one), else after
+        refreshing the view (unless it was refreshed less than `refresh_interval_s` ago)."""
         refused = self.decide(kind, caller, stage=stage, mb_id=mb_id, group=group)
+        if refused is not None and refused.membership and proof is not None and self.prove(caller, proof):
+            refused = self.decide(kind, caller, stage=stage, mb_id=mb_id, group=group)
         if refused is not None and refused.membership and await self._refresh_once():
             refused = self.decide(kind, caller, stage=stage, mb_id=mb_id, group=group)
         if refused is None or not refused.membership:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from swarmtrain.compress.policy import resolve_codec
 from swarmtrain.schedule import ReadinessRouter
@@ -48,6 +49,8 @@ class StageContext:
     """Wait this many seconds, then read the swarm's replicas again."""
     authority: RunAuthority
     """Who the run authorizes to send this replica what (its trainers, its stages' members)."""
+    membership_proof: Callable[[], Any] = lambda: None
+    """This replica's signed peer record, which its forwards carry (None: none yet, or in-process)."""
     link_bandwidth: Callable[[str], float | None] = lambda peer: None
     """Measured bytes/s to a peer (None: unknown), for 'auto' codecs."""
     is_draining: Callable[[], bool] = lambda: False

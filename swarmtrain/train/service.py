@@ -30,6 +30,7 @@ from swarmtrain.train.serving import ForwardServer, ServeCounters
 from swarmtrain.transport.in_turn import ask_in_turn
 from swarmtrain.wire.frames import Frame, error_frame
 from swarmtrain.wire.messages import (
+    MEMBER_PROOF,
     CommitRequest,
     GradsMeta,
     PongMeta,
@@ -126,8 +127,9 @@ class StageService:
         group = None
         if frame.kind == "grads":
             group = self.commit.exchange_group(frame.step, GradsMeta.from_meta(frame.meta).attempt)
+        proof = frame.meta.get(MEMBER_PROOF) if frame.kind == "forward" else None
         return await self.ctx.authority.check(
-            frame.kind, caller, stage=self.ctx.stage, mb_id=frame.mb_id, group=group
+            frame.kind, caller, stage=self.ctx.stage, mb_id=frame.mb_id, group=group, proof=proof
         )
 
     async def _state(self, checkpoint: int | None) -> Frame:

@@ -47,7 +47,7 @@ from swarmtrain.train.bounds import admit_frame, tensor_norm
 from swarmtrain.train.context import StageContext
 from swarmtrain.train.hop import Hop, HopContext, HopFailedError, HopFailure
 from swarmtrain.wire.frames import Frame, all_finite
-from swarmtrain.wire.messages import ForwardMeta, Readiness, ResultMeta
+from swarmtrain.wire.messages import MEMBER_PROOF, ForwardMeta, Readiness, ResultMeta
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class ForwardServer:
         """
         ctx = self.ctx
         started = time.monotonic()
-        meta = ForwardMeta.from_meta(frame.meta)
+        meta = ForwardMeta.from_meta(frame.meta, ignore=frozenset({MEMBER_PROOF}))
         x, loss_inputs = split_tensors(frame)
         ctx.runner.check_inputs(x, loss_inputs)
         if x.is_floating_point():
@@ -288,6 +288,9 @@ class ForwardServer:
         """Send the output on to a replica of the next stage (see `hop.Hop`)."""
         ctx, nxt = self.ctx, self.ctx.stage + 1
 
+        signed = ctx.membership_proof()  # our record, for a next stage whose view lacks us
+        proof = {} if signed is None else {MEMBER_PROOF: signed}
+
         def build(target: str, replay: bool, budget_s: float) -> Frame:
             codec = ctx.codec_for("activations", target, out.nbytes)
             forward = replace(meta, budget_s=budget_s, replay=replay)
@@ -299,7 +302,7 @@ class ForwardServer:
                 step=frame.step,
                 tensors={INPUT: out, **loss_inputs},
                 codecs={} if codec == "none" else {INPUT: codec},
-                meta=forward.to_meta(),
+                meta=forward.to_meta() | proof,
             )
 
         def replayed(failure: HopFailure) -> None:

@@ -188,14 +188,15 @@ class StageRunner:
         return x
 
     def forward(self, mb_id: str, x: Tensor) -> Tensor:
-        """Run the stage on `x`, keep what backward needs, return the detached output (CPU)."""
+        """Run the stage on `x`, keep what backward needs, return the detached output (on the
+        stage's device: a codec compresses it there and only its bytes cross to the host)."""
         x = self._input(x)
         with torch.enable_grad():
             with self._autocast():
                 out = self.module(x)
             out = out.to(self.output_spec.dtype)  # the boundary keeps the stage's declared dtype
         self._pending[mb_id] = (x, out)
-        return out.detach().cpu()
+        return out.detach()
 
     def backward(self, mb_id: str, grad_out: Tensor, *, replay: bool = False) -> Tensor | None:
         """Backpropagate `grad_out` through `mb_id`'s forward; return the input's gradient."""
@@ -233,10 +234,10 @@ class StageRunner:
         return value, grad_x
 
     def score_forward(self, step: int, x: Tensor) -> Tensor:
-        """A score pass through a stage that is not the last: the output (CPU) of `x` on the
-        parameters of `step` (see the module docstring)."""
+        """A score pass through a stage that is not the last: the output (on the stage's device)
+        of `x` on the parameters of `step` (see the module docstring)."""
         with self._scoring(step):
-            return self.module(x.to(self.device)).cpu()
+            return self.module(x.to(self.device))
 
     def score_last(self, step: int, x: Tensor, loss_inputs: Mapping[str, Tensor]) -> tuple[float, Tensor]:
         """A score pass through the last stage: (the loss, the loss's per-sample scores as float32
@@ -288,10 +289,10 @@ class StageRunner:
             if not x.requires_grad:
                 return None
             (grad_x,) = torch.autograd.grad(out, [x], grad_outputs=grad_out)
-            return self._checked(mb_id, grad_x.detach().cpu())
+            return self._checked(mb_id, grad_x.detach())
         wrt = ([x] if x.requires_grad else []) + self.params
         grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
-        grad_x = self._checked(mb_id, grads[0].detach().cpu()) if x.requires_grad else None
+        grad_x = self._checked(mb_id, grads[0].detach()) if x.requires_grad else None
         param_grads = grads[len(wrt) - len(self.params) :]
         norm, numel = tensor_norm([g for g in param_grads if g is not None])
         refused = self.bounds.param_grads.admit(norm, numel)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import torch
 from hivemind.p2p import P2P, PeerID
 
 import swarmtrain.compress  # noqa: F401  (registers the codecs frames may carry)
@@ -162,6 +163,9 @@ class TensorTransport:
         """Tensor payload bytes received, as on the wire."""
         self.raw_bytes_sent = 0
         """Tensor bytes sent before compression."""
+        self.decode_device: torch.device | None = None
+        """Where compressed tensors of frames this peer reads are decoded (a stage peer's GPU:
+        only compressed bytes cross to it); None: the host."""
         self.streams_opened = 0
         """Streams this peer's calls opened (with `reuse_streams`, far fewer than calls)."""
         self._idle: dict[tuple[str, str], list[_Stream]] = {}
@@ -296,7 +300,9 @@ class TensorTransport:
 
         max_bytes = self.config.max_frame_bytes
         reading = asyncio.ensure_future(
-            read_frame(reader, max_frame_bytes=max_bytes, charge=charge, first=first)
+            read_frame(
+                reader, max_frame_bytes=max_bytes, charge=charge, first=first, device=self.decode_device
+            )
         )
         try:
             while not reading.done():
@@ -343,7 +349,9 @@ class TensorTransport:
         reusable = False
         try:
             self._count_sent(request, await write_frame(stream.writer, request, preamble=preamble))
-            reply = await read_frame(stream.reader, max_frame_bytes=self.config.max_frame_bytes)
+            reply = await read_frame(
+                stream.reader, max_frame_bytes=self.config.max_frame_bytes, device=self.decode_device
+            )
             # after an error reply the server may be dropping the rest of the stream
             reusable = self.config.reuse_streams and reply.kind != "error"
         finally:  # a call that failed or was cancelled leaves its stream in an unknown state

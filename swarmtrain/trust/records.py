@@ -170,3 +170,42 @@ class SealValidator(RecordValidatorBase):
 def validators(swarm_key: SwarmKey | None) -> list[RecordValidatorBase]:
     """The validators a swarmtrain DHT node runs: signatures and schemas, and the seal of a private swarm."""
     return [RecordValidator()] + ([SealValidator(swarm_key)] if swarm_key is not None else [])
+
+
+MAX_PROOF_BYTES = 8 * 1024
+"""Largest membership proof a frame may carry (a peer record's envelope is about 1 KiB)."""
+
+
+def member_proof(envelope: dict, expiration_time: float) -> list:
+    """A peer's signed record as a frame carries it: [key, body, pub, sig, expiration]."""
+    return [envelope["key"], envelope["body"], envelope["pub"], envelope["sig"], float(expiration_time)]
+
+
+def open_member_proof(proof: Any, *, key: str, signer: str, now: float) -> Any:
+    """The record inside a proof that `signer` wrote it under `key` and that it has not expired
+    by `now` (DHT time): the same checks a DHT node makes of the record. ConfigError names what
+    is wrong."""
+    if not isinstance(proof, list | tuple) or len(proof) != 5:
+        raise ConfigError("a membership proof is [key, body, pub, sig, expiration]")
+    proof_key, body, pub, sig, expiration = proof
+    if not (
+        isinstance(proof_key, str)
+        and isinstance(body, bytes)
+        and isinstance(pub, bytes)
+        and isinstance(sig, bytes)
+        and isinstance(expiration, int | float)
+    ):
+        raise ConfigError("membership proof with fields of the wrong types")
+    if len(body) + len(pub) + len(sig) > MAX_PROOF_BYTES:
+        raise ConfigError(f"membership proof over {MAX_PROOF_BYTES} bytes")
+    if proof_key != key:
+        raise ConfigError(f"membership proof of {proof_key!r}, not of {key!r}")
+    if peer_id_of(pub) != signer:
+        raise ConfigError("membership proof signed by another peer than the caller")
+    if expiration <= now:
+        raise ConfigError("membership proof has expired")
+    if not verify(pub, sig, _signed_bytes(key, signer, body, expiration)):
+        raise ConfigError("bad signature on the membership proof")
+    record = MSGPackSerializer.loads(body)
+    check_record(key, signer, record)
+    return record

@@ -133,8 +133,15 @@ def error_frame(
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().cpu()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    """A tensor's bytes in host memory; a GPU tensor (a compressed payload, or a raw tensor
+    sent without a codec) is copied out through pinned memory."""
+    t = t.detach().contiguous()
+    if t.is_cuda:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        t = host
+    return memoryview(t.cpu().reshape(-1).view(torch.uint8).numpy())
 
 
 def _encode(name: str, t: torch.Tensor, codec_name: str) -> Encoded:
@@ -342,15 +349,19 @@ def all_finite(t: torch.Tensor) -> bool:
     """
     if t.numel() == 0:
         return True
+    if t.device.type != "cpu":  # where it lives: one flag crosses to the host, not the tensor
+        return bool(torch.isfinite(t).all())
     int_dtype, unsigned, magnitude, exponent = _NONFINITE_BITS[t.dtype]
     bits = t.view(int_dtype).numpy().view(unsigned)
     return bool(np.bitwise_and(bits, magnitude).max() < exponent)
 
 
 def decode_tensors(
-    header: dict, payload: bytearray, *, allow_nonfinite: bool = False
+    header: dict, payload: bytearray, *, allow_nonfinite: bool = False, device: torch.device | None = None
 ) -> dict[str, torch.Tensor]:
-    """Tensors of a validated header: raw ones view `payload`, compressed ones are decoded.
+    """Tensors of a validated header: raw ones view `payload`, compressed ones are decoded (on
+    `device` when given: only the compressed bytes cross to it, and the decoded tensor is
+    checked there).
 
     Rejects NaN/inf (after decoding) unless allowed.
     """
@@ -362,6 +373,8 @@ def decode_tensors(
                 if nbytes
                 else torch.empty(0, dtype=torch.uint8)
             )
+            if device is not None:
+                raw = raw.to(device)
             try:
                 t = find_codec(codec).decode(raw, codec_meta[0], tuple(shape), DTYPES[dtype])
             except BadFrameError as e:
@@ -387,12 +400,14 @@ async def read_frame(
     allow_nonfinite: bool = False,
     charge: Callable[[int], None] = lambda _nbytes: None,
     first: bytes = b"",
+    device: torch.device | None = None,
 ) -> Frame:
     """Read one frame. Raises BadFrameError for a malformed one, IncompleteReadError on EOF.
 
     `max_frame_bytes` bounds the payload off the wire, `max_decoded_bytes` the decoded tensors
     (default MAX_DECODE_EXPANSION x max_frame_bytes). Memory grows as bytes arrive: `charge(n)`
-    runs before n more are kept and may raise BadFrameError; `first`: prefix bytes already read.
+    runs before n more are kept and may raise BadFrameError; `first`: prefix bytes already read;
+    `device`: where compressed tensors are decoded (default: the host, as raw ones stay).
     """
     if max_decoded_bytes is None:
         max_decoded_bytes = MAX_DECODE_EXPANSION * max_frame_bytes
@@ -419,7 +434,7 @@ async def read_frame(
         mb_id=header["mb"],
         stage=header["stage"],
         step=header["step"],
-        tensors=decode_tensors(header, payload, allow_nonfinite=allow_nonfinite),
+        tensors=decode_tensors(header, payload, allow_nonfinite=allow_nonfinite, device=device),
         meta=header["meta"],
         codecs={spec[0]: spec[3] for spec in header["tensors"] if spec[3] != "none"},
         wire_nbytes=payload_len,

@@ -82,6 +82,11 @@ NO_PREFERENCE = ""
 """In a route preference: any replica of that stage will do."""
 
 
+MEMBER_PROOF = "member"
+"""Meta key beside ForwardMeta's fields: the sending replica's signed peer record
+(`trust.records.member_proof`), for a receiver whose view of the run lacks it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ForwardMeta(Message):
     """A microbatch on its way forward: what each stage needs to serve and pass it on."""
