@@ -5,6 +5,7 @@ nodes on 127.0.0.1 show that a forged record is dropped by the node asked to sto
 keyless node can neither read nor write a private swarm's records.
 """
 
+import base64
 import dataclasses
 
 import pytest
@@ -273,10 +274,19 @@ def test_a_membership_proof_opens_for_its_signer_and_every_forgery_is_named(keys
     refused(proof, "signed by another peer than the caller", signer=other.peer_id)  # replayed by another
     refused(proof, "has expired", at=now + 31)
     refused(proof, "not of", for_key=peers_key("run-2"))
-    refused([*proof[:4], now + 300], "bad signature")  # its life stretched
-    refused([proof[0], MSGPackSerializer.dumps(peer_body(me) | {"stage": 1}), *proof[2:]], "bad signature")
-    refused(proof[:4], r"\[key, body, pub, sig, expiration\]")
-    refused([proof[0], "body", *proof[2:]], "wrong types")
+
+    def made(fields) -> str:
+        return base64.b64encode(MSGPackSerializer.dumps(fields)).decode()
+
+    fields = MSGPackSerializer.loads(base64.b64decode(proof))
+    refused(made([*fields[:4], now + 300]), "bad signature")  # its life stretched
+    refused(
+        made([fields[0], MSGPackSerializer.dumps(peer_body(me) | {"stage": 1}), *fields[2:]]), "bad signature"
+    )
+    refused(made(fields[:4]), r"\[key, body, pub, sig, expiration\]")
+    refused(made([fields[0], "body", *fields[2:]]), "wrong types")
+    refused("not base64!", "base64 of msgpack")
+    refused(["a", "list"], "a string")
     # another peer's record signed by me is no proof of its membership
     forged = member_proof(sign_record(me, key, peer_body(other), now + 30), now + 30)
     refused(forged, "", signer=me.peer_id)

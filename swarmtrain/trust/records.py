@@ -21,6 +21,7 @@ subkey with its libp2p identity.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import struct
@@ -176,18 +177,26 @@ MAX_PROOF_BYTES = 8 * 1024
 """Largest membership proof a frame may carry (a peer record's envelope is about 1 KiB)."""
 
 
-def member_proof(envelope: dict, expiration_time: float) -> list:
-    """A peer's signed record as a frame carries it: [key, body, pub, sig, expiration]."""
-    return [envelope["key"], envelope["body"], envelope["pub"], envelope["sig"], float(expiration_time)]
+def member_proof(envelope: dict, expiration_time: float) -> str:
+    """A peer's signed record as a frame's meta carries it (a string, as meta values are): the
+    base64 of msgpack [key, body, pub, sig, expiration]."""
+    fields = [envelope["key"], envelope["body"], envelope["pub"], envelope["sig"], float(expiration_time)]
+    return base64.b64encode(MSGPackSerializer.dumps(fields)).decode("ascii")
 
 
 def open_member_proof(proof: Any, *, key: str, signer: str, now: float) -> Any:
     """The record inside a proof that `signer` wrote it under `key` and that it has not expired
     by `now` (DHT time): the same checks a DHT node makes of the record. ConfigError names what
     is wrong."""
-    if not isinstance(proof, list | tuple) or len(proof) != 5:
+    if not isinstance(proof, str) or len(proof) > 2 * MAX_PROOF_BYTES:
+        raise ConfigError(f"a membership proof is a string of at most {2 * MAX_PROOF_BYTES} characters")
+    try:
+        fields = MSGPackSerializer.loads(base64.b64decode(proof, validate=True))
+    except Exception:
+        raise ConfigError("a membership proof is base64 of msgpack") from None
+    if not isinstance(fields, list | tuple) or len(fields) != 5:
         raise ConfigError("a membership proof is [key, body, pub, sig, expiration]")
-    proof_key, body, pub, sig, expiration = proof
+    proof_key, body, pub, sig, expiration = fields
     if not (
         isinstance(proof_key, str)
         and isinstance(body, bytes)
