@@ -11,10 +11,11 @@ this one is the client; it spawns itself with `--serve` as the server, which ser
 - with `--swarm-key`, also `ECHO_KEYED`: `ECHO_OURS` in a private swarm (a fresh key both
   processes load), so every stream opens with the key's handshake (one more round trip).
 
-All open one stream per request, as our transport does. For each size the client warms up,
-then alternates them (rotating which goes first every repetition) so drift on a busy
-machine hits all alike. One JSON document goes to stdout; logs go to stderr. The aim, ours
-within 20% of raw, is reported per size and never fails the run.
+All open one stream per request (our transport as with --streams per-frame; by default it
+reuses them). For each size the client warms up, then alternates them (rotating which goes
+first every repetition) so drift on a busy machine hits all alike. One JSON document goes to
+stdout; logs go to stderr. The aim, ours within 20% of raw, is reported per size and never
+fails the run.
 """
 
 from __future__ import annotations

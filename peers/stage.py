@@ -454,10 +454,14 @@ class StagePeer:
             )
             record = PeerRecord.from_dict(body)
         except (ConfigError, KeyError, TypeError, ValueError) as e:
-            logger.info("membership proof from %s refused: %s", caller[-8:], e)
+            logger.warning("membership proof from %s refused: %s", caller[-8:], e)
             return False
         if record.peer_id != caller or record.role != "stage":
+            logger.warning(
+                "membership proof from %s is a %s record of %s", caller[-8:], record.role, record.peer_id[-8:]
+            )
             return False
+        logger.warning("took %s's membership proof: stage %d", caller[-8:], record.stage)  # DEBUG
         self._records = fresher_view(self._records, [record], self.peer_id)
         self._members[caller] = record.stage
         return True

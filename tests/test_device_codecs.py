@@ -58,7 +58,9 @@ def test_a_stage_returns_its_output_and_input_gradient_without_copying_them_to_t
     x = torch.randint(0, 256, (2, 16))
     copies = []
     original = torch.Tensor.cpu
-    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.shape) or original(t, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.shape) or original(t, *a, **k)
+    )
     out = first.forward("mb", x)
     loss, grad = last.forward_loss_backward("mb", out, {"targets": x}, 0.5)
     grad_in = first.backward("mb", grad)

@@ -288,11 +288,10 @@ class ForwardServer:
         """Send the output on to a replica of the next stage (see `hop.Hop`)."""
         ctx, nxt = self.ctx, self.ctx.stage + 1
 
-        signed = ctx.membership_proof()  # our record, for a next stage whose view lacks us
-        proof = {} if signed is None else {MEMBER_PROOF: signed}
-
         def build(target: str, replay: bool, budget_s: float) -> Frame:
             codec = ctx.codec_for("activations", target, out.nbytes)
+            signed = ctx.membership_proof()  # our latest record, for a next stage whose view lacks us
+            proof = {} if signed is None else {MEMBER_PROOF: signed}
             forward = replace(meta, budget_s=budget_s, replay=replay)
             return Frame(
                 kind="forward",
