@@ -7,7 +7,7 @@
 2. codecs: each lossy codec's encode and decode of a (8, 1024, 4096) activation where it lives
    (`encode_tensor` / `decode_encoded` on the device, what a stage peer runs), in GB/s against
    this GPU's memory bandwidth (a device copy of the same tensor), with the aim of 0.7;
-3. mixed precision: one stage computing in bf16 under autocast against float32 from the same
+3. mixed precision: one stage computing in bf16 and one in fp16 (loss-scaled) under autocast against float32 from the same
    seed (benchmarks/mixed_precision.py on the GPU): tokens/s of each, their ratio, the losses'
    largest relative gap;
 4. swarm: a coordinator, two stage peers on this GPU (`join --gpu DEVICE --dtype auto`) with
@@ -143,8 +143,9 @@ def check_mixed_precision(device: str) -> dict:
     return {
         "model": report["model"],
         "tokens_per_s": {k: round(v) for k, v in report["tokens_per_s"].items()},
-        "bf16_vs_fp32": round(report["bf16_vs_fp32"], 2),
+        **{k: round(v, 2) for k, v in report.items() if k.endswith("_vs_fp32")},
         "max_relative_loss_gap": report["max_relative_loss_gap"],
+        "fp16_overflows": report.get("fp16_overflows"),
     }
 
 

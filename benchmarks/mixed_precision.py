@@ -1,13 +1,16 @@
-"""A stage's compute in bf16 (autocast, float32 master weights) against float32, side by side.
+"""A stage's compute in bf16 and fp16 (autocast, float32 master weights) against float32, side by side.
 
-    python benchmarks/mixed_precision.py [--device cpu] [--steps 6] [--n-layer 4] [--d-model 256]
+    python benchmarks/mixed_precision.py [--device cpu] [--dtypes fp32,bf16,fp16] [--steps 6]
+        [--n-layer 4] [--d-model 256]
 
-Builds one stage holding a whole small GPT on `--device`, twice from the same seed: one
-runner computing in float32, one in bf16 (`StageRunner(compute_dtype='bf16')`, what
-`join --dtype bf16` runs). Each trains the same microbatches for `--steps` optimizer steps;
-the two alternate microbatch by microbatch so that machine noise hits both alike. Prints JSON:
-tokens/s of each (forward + loss + backward, median over microbatches after the first step),
-their ratio `bf16_vs_fp32`, and the loss of every step in both with the largest relative gap.
+Builds one stage holding a whole small GPT on `--device`, once per dtype from the same seed:
+a runner computing in float32, one in bf16 and one in fp16 (`StageRunner(compute_dtype=...)`,
+what `join --dtype` runs; fp16 with the stage's loss scaling). Each trains the same
+microbatches for `--steps` optimizer steps; they alternate microbatch by microbatch so that
+machine noise hits all alike. Prints JSON: tokens/s of each (forward + loss + backward, median
+over microbatches after the first step), each one's ratio to float32 (`bf16_vs_fp32`,
+`fp16_vs_fp32`), the loss of every step in each, the largest relative gap to float32's, and
+the fp16 stage's loss scale and overflows.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ MICROBATCHES = 4
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated; fp32 is always run")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
@@ -43,8 +47,9 @@ def main() -> None:
         "seq_len": args.seq_len,
         "vocab_size": 256,
     }
+    dtypes = ["fp32"] + [d for d in args.dtypes.split(",") if d and d != "fp32"]
     runners = {}
-    for dtype in ("fp32", "bf16"):
+    for dtype in dtypes:
         module = build_stage(
             "tiny-gpt", config, 0, args.n_layer, num_blocks=args.n_layer, seed=0, device=args.device
         )
@@ -77,7 +82,11 @@ def main() -> None:
             runner.apply_step(step)
             losses[dtype].append(totals[dtype])
     rate = {d: tokens / statistics.median(s) for d, s in seconds.items()}
-    gaps = [abs(b - a) / abs(a) for a, b in zip(losses["fp32"], losses["bf16"], strict=True)]
+    gaps = {
+        d: max(abs(b - a) / abs(a) for a, b in zip(losses["fp32"], losses[d], strict=True))
+        for d in dtypes[1:]
+    }
+    scale = runners.get("fp16") and runners["fp16"].loss_scale
     print(
         json.dumps(
             {
@@ -87,9 +96,10 @@ def main() -> None:
                 "model": config,
                 "microbatch_size": args.microbatch_size,
                 "tokens_per_s": rate,
-                "bf16_vs_fp32": rate["bf16"] / rate["fp32"],
+                **{f"{d}_vs_fp32": rate[d] / rate["fp32"] for d in dtypes[1:]},
                 "losses": losses,
-                "max_relative_loss_gap": max(gaps),
+                "max_relative_loss_gap": gaps,
+                **({"fp16_loss_scale": scale.scale, "fp16_overflows": scale.overflows} if scale else {}),
             },
             indent=2,
         )

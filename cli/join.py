@@ -54,8 +54,8 @@ def join(
     dtype: Annotated[
         str,
         typer.Option(
-            help="What stage compute runs in: auto (bf16 on a CUDA GPU that has it, else fp32), fp32 or bf16 "
-            "(autocast; weights and optimizer state stay fp32). fp16 is not supported yet.",
+            help="What stage compute runs in: auto (on a CUDA GPU bf16, or fp16 where it lacks bf16; on a CPU "
+            "fp32), fp32, bf16 or fp16 (autocast, fp16 loss-scaled; weights and optimizer state stay fp32).",
         ),
     ] = "auto",
     threads: Threads = None,

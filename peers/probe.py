@@ -62,30 +62,29 @@ def resolve_device(gpu: str) -> str:
 
 COMPUTE_DTYPES = ("auto", "fp32", "bf16", "fp16")
 """What a stage peer computes in (`join --dtype`): parameters, gradients and optimizer state stay
-float32 (the master copy) whatever it is; 'bf16' runs forward and backward under autocast."""
+float32 (the master copy) whatever it is; 'bf16' and 'fp16' run forward and backward under
+autocast, 'fp16' with the stage's own loss scaling (`swarmtrain.train.loss_scale`)."""
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """Map a --dtype value to what a stage peer on `device` computes in: 'fp32' or 'bf16'.
+    """Map a --dtype value to what a stage peer on `device` computes in: 'fp32', 'bf16' or 'fp16'.
 
     'auto' takes bf16 on a CUDA device that supports it (2-16x the fp32 rate and half the
-    activation memory), else fp32: a CPU swarm then matches one process to rounding, though a
-    CPU with native bf16 may well be faster with 'bf16' (`benchmarks/mixed_precision.py`
-    measures it). 'fp16' needs loss
-    scaling, which stage peers do not do yet: ConfigError, as for a name that is not a dtype,
-    or bf16 on a CUDA device without it."""
+    activation memory), fp16 on one that does not (a T4, a V100, a GTX/RTX 20xx: fp16 tensor
+    cores, and loss scaling for the range), and fp32 on a CPU: a CPU swarm then matches one
+    process to rounding, though a CPU with native bf16 may well be faster with 'bf16'
+    (`benchmarks/mixed_precision.py` measures it). ConfigError for a name that is not a
+    dtype, or bf16 on a CUDA device without it."""
     dtype = dtype.strip().lower()
     if dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not a compute dtype: use {', '.join(COMPUTE_DTYPES)}")
     cuda = device.startswith("cuda")
     if dtype == "auto":
-        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if dtype == "fp16":
-        raise ConfigError(
-            "--dtype fp16 needs loss scaling, which stage peers do not do yet: use --dtype bf16 (or fp32)"
-        )
+        if not cuda:
+            return "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     if dtype == "bf16" and cuda and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"--dtype bf16: {device} does not support bfloat16; use --dtype fp32")
+        raise ConfigError(f"--dtype bf16: {device} does not support bfloat16; use --dtype fp16 (or fp32)")
     return dtype
 
 

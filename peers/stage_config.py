@@ -27,8 +27,9 @@ class StageConfig:
     device: str = "cpu"
     """torch device for compute, e.g. 'cpu' or 'cuda:0'."""
     dtype: str = "fp32"
-    """What forward and backward compute in: 'fp32', or 'bf16' under autocast (parameters,
-    gradients and optimizer state stay float32; `probe.resolve_dtype` picks it for --dtype)."""
+    """What forward and backward compute in: 'fp32', or 'bf16' / 'fp16' under autocast (parameters,
+    gradients and optimizer state stay float32; fp16 is loss-scaled by the stage;
+    `probe.resolve_dtype` picks it for --dtype)."""
     num_threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
     heartbeat_s: float = 2.0
@@ -78,8 +79,8 @@ class StageConfig:
     def __post_init__(self):
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
             raise ConfigError(f"need 0 < heartbeat_s < ttl_s, got {self.heartbeat_s} and {self.ttl_s}")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ConfigError(f"a stage peer computes in fp32 or bf16, not {self.dtype!r} (--dtype)")
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"a stage peer computes in fp32, bf16 or fp16, not {self.dtype!r} (--dtype)")
         if self.slowdown < 1:
             raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
         if self.stage is not None and self.stage < 0:

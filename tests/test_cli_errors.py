@@ -135,10 +135,6 @@ CASES = {
         ("join", "--initial-peers", "{nobody}", "--gpu", "cpu", "--dtype", "half"),
         ("--dtype 'half' is not a compute dtype", "auto, fp32, bf16, fp16"),
     ),
-    "dtype-fp16": Case(
-        ("join", "--initial-peers", "{nobody}", "--gpu", "cpu", "--dtype", "fp16"),
-        ("fp16 needs loss scaling", "--dtype bf16"),
-    ),
     "quantize-stage": Case(
         ("join", "--initial-peers", "{nobody}", "--quantize", "8bit"),
         ("--quantize is for rollout peers", "--role rollout"),

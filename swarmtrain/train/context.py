@@ -21,6 +21,12 @@ from swarmtrain.train.stage_runner import StageRunner
 from swarmtrain.transport import TensorTransport, handler_name
 from swarmtrain.wire.records import CompressionConfig
 
+WIRE_DTYPES = {
+    "activations": {"bf16": "bf16", "fp16": "fp16"},
+    "gradients": {"bf16": "bf16", "fp16": "bf16"},
+}
+"""What a replica computing in 16 bits sends, where the run sets no codec: by direction, by compute dtype."""
+
 
 def _nothing() -> None:
     return None
@@ -77,6 +83,14 @@ class StageContext:
         """The codec to send `nbytes` of `direction` ('activations', 'gradients', 'averaging')
         to `peer` with: the run's setting for the boundary it crosses (activations go over this
         stage's downstream boundary, gradients over its upstream one, averaging stays within the
-        stage), or for 'auto' the one the link's bandwidth calls for."""
+        stage), or for 'auto' the one the link's bandwidth calls for.
+
+        Where that is 'none' and this replica computes in 16 bits, activations go in its
+        compute dtype (half the bytes, and no rounding the compute did not already do) and
+        gradients in bf16 (fp16's range would flush the small ones to zero); the gradient
+        sums replicas average stay float32, as they must for bit-identical replicas."""
         setting = self.compression.sent_by(direction, self.stage)
-        return resolve_codec(setting, self.link_bandwidth(peer), nbytes)
+        codec = resolve_codec(setting, self.link_bandwidth(peer), nbytes)
+        if codec == "none" and direction in WIRE_DTYPES:
+            return WIRE_DTYPES[direction].get(self.runner.compute_dtype, "none")
+        return codec

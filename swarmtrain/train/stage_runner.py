@@ -26,11 +26,14 @@ The contract with the peer shell around it:
 - Policy versions: `step` is also the parameters' version; once someone asked for weights,
   `apply_step` first copies the outgoing version into `versions` (`train.versions`), and
   `import_state` and `relabel` forget what it held.
-- Mixed precision (`compute_dtype` bf16): forward and backward run under autocast, while
-  parameters, their gradients and the optimizer state stay float32 (the master copy). What
-  crosses a stage boundary keeps the stage's declared dtype (float32 activations and
-  gradients), so peers computing in different dtypes serve one run, and replicas stay
-  bit-identical: each applies the same summed total, whatever it computed its share in.
+- Mixed precision (`compute_dtype` bf16 or fp16): forward and backward run under autocast,
+  while parameters, their gradients and the optimizer state stay float32 (the master copy).
+  fp16 backward passes are loss-scaled by the stage itself (`train.loss_scale`): an overflow
+  runs that microbatch's backward again at half the scale. What the runner hands out keeps
+  the stage's declared dtype (float32 activations and gradients; the serving side may send
+  them in the compute dtype, `StageContext.codec_for`), so peers computing in different
+  dtypes serve one run, and replicas stay bit-identical: each applies the same summed
+  total, whatever it computed its share in.
 All methods run on the caller's thread; the shell calls them from one worker thread.
 """
 
@@ -49,12 +52,13 @@ from swarmtrain.errors import BadFrameError, Cause, RemoteError
 from swarmtrain.model import StageModule
 from swarmtrain.model.losses import name_mismatch
 from swarmtrain.train.bounds import SQUARE_SAFE, BoundsConfig, StageBounds, tensor_norm
+from swarmtrain.train.loss_scale import LossScale
 from swarmtrain.train.optim import StepGuard, lr_at, make_optimizer, set_lr
 from swarmtrain.train.versions import PolicyVersions, VersionsConfig
 from swarmtrain.wire.frames import all_finite
 from swarmtrain.wire.records import OptimizerConfig
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """What a runner may compute in (`compute_dtype`), and the autocast dtype of each."""
 
 
@@ -96,12 +100,14 @@ class StageRunner:
         """`max_steps`: the run's step count, which the learning-rate schedule decays over
         (`optim.lr_at`; 0: the run has none, and the schedule must not need one); `versions`:
         how many policy versions of the parameters to keep for weights requests;
-        `compute_dtype`: 'fp32', or 'bf16' (autocast; see the module docstring)."""
+        `compute_dtype`: 'fp32', 'bf16' or 'fp16' (autocast; see the module docstring)."""
         if compute_dtype not in AUTOCAST_DTYPES:
             raise ValueError(f"compute_dtype must be one of {sorted(AUTOCAST_DTYPES)}, got {compute_dtype!r}")
         self.module = module
         self.device = next(module.parameters()).device
         self.compute_dtype = compute_dtype
+        self.loss_scale = LossScale() if compute_dtype == "fp16" else None
+        """The scale of this stage's fp16 backward passes (None in fp32 and bf16)."""
         self.named_params = {
             f"{key}.{name}": p
             for key, part in module.parts()
@@ -288,10 +294,10 @@ class StageRunner:
             # counted already (or the step is closed): only the input gradient is wanted
             if not x.requires_grad:
                 return None
-            (grad_x,) = torch.autograd.grad(out, [x], grad_outputs=grad_out)
+            (grad_x,) = self._grad(out, [x], grad_out)
             return self._checked(mb_id, grad_x.detach())
         wrt = ([x] if x.requires_grad else []) + self.params
-        grads = torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True)
+        grads = self._grad(out, wrt, grad_out)
         grad_x = self._checked(mb_id, grads[0].detach()) if x.requires_grad else None
         param_grads = grads[len(wrt) - len(self.params) :]
         norm, numel = tensor_norm([g for g in param_grads if g is not None])
@@ -309,6 +315,27 @@ class StageRunner:
                 if g is not None:
                     p.grad.add_(g)
         return grad_x
+
+    def _grad(self, out: Tensor, wrt: list[Tensor], grad_out: Tensor | None) -> list[Tensor | None]:
+        """d out / d wrt (out a scalar loss when `grad_out` is None). In fp16: loss-scaled, run
+        again at half the scale while a gradient overflows, and unscaled (see `train.loss_scale`);
+        gradients that are not finite even at scale 1 are returned as they are, for the caller
+        to refuse."""
+        if self.loss_scale is None:
+            return list(torch.autograd.grad(out, wrt, grad_outputs=grad_out, allow_unused=True))
+        while True:
+            scale = self.loss_scale.scale
+            if grad_out is None:
+                grads = torch.autograd.grad(out * scale, wrt, allow_unused=True, retain_graph=True)
+            else:
+                grads = torch.autograd.grad(
+                    out, wrt, grad_outputs=grad_out * scale, allow_unused=True, retain_graph=True
+                )
+            if all(g is None or all_finite(g) for g in grads):
+                self.loss_scale.passed()
+                return [None if g is None else g / scale for g in grads]  # a power of two: exact
+            if not self.loss_scale.backoff():
+                return list(grads)
 
     @staticmethod
     def _checked(mb_id: str, grad_x: Tensor) -> Tensor:
