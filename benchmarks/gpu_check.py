@@ -7,10 +7,14 @@
 2. codecs: each lossy codec's encode and decode of a (8, 1024, 4096) activation where it lives
    (`encode_tensor` / `decode_encoded` on the device, what a stage peer runs), in GB/s against
    this GPU's memory bandwidth (a device copy of the same tensor), with the aim of 0.7;
-3. mixed precision: one stage computing in bf16 and one in fp16 (loss-scaled) under autocast against float32 from the same
-   seed (benchmarks/mixed_precision.py on the GPU): tokens/s of each, their ratio, the losses'
+3. frames: a stage's output frame on the GPU (int8 and raw tensors) written while the GPU
+   is busy, by `write_frame` (compressed on the GPU, copied to pinned memory on a copy
+   stream in a worker thread) and the blocking way (`encode_frame` on the event loop): the
+   longest the event loop stalled each way, and that both decode to what was sent;
+4. mixed precision: one stage computing in bf16 and one in fp16 (loss-scaled) under autocast
+   against float32 from the same seed (benchmarks/mixed_precision.py on the GPU): tokens/s of each, their ratio, the losses'
    largest relative gap;
-4. swarm: a coordinator, two stage peers on this GPU (`join --gpu DEVICE --dtype auto`) with
+5. swarm: a coordinator, two stage peers on this GPU (`join --gpu DEVICE --dtype auto`) with
    int8 activations and gradients, a trainer for `--steps` steps: the loss at the first and
    last step, tokens/s, bytes on the wire against before compression, each stage peer's GPU
    memory (`memory_used_bytes` in its record) and dtype.
@@ -22,6 +26,7 @@ paths are what the test suite covers).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -149,6 +154,68 @@ def check_mixed_precision(device: str) -> dict:
     }
 
 
+def check_frames(device: str, shape: tuple[int, ...] = ACTIVATION_SHAPE, busy_matmuls: int = 20) -> dict:
+    """A stage's output frame, on the device, written while the GPU is busy: once by
+    `write_frame` (compressed on the device and copied to the host in a worker thread, the
+    event loop free) and once the blocking way (`encode_frame` on the loop, which waits for
+    the GPU). Reports the longest the event loop went without running each way, and checks
+    both frames decode to what was sent."""
+    import swarmtrain.compress  # noqa: F401  (registers the codecs frames carry)
+    from swarmtrain.wire.frames import Frame, encode_frame, read_frame, write_frame
+
+    x = torch.randn(shape, device=device)
+    frame = Frame(
+        kind="forward", run_id="gpu-check", tensors={"x": x, "raw": x[:1].clone()}, codecs={"x": "int8"}
+    )
+    a = torch.randn(2048, 2048, device=device)
+
+    class Sink:
+        def __init__(self, reader: asyncio.StreamReader):
+            self.reader = reader
+
+        def write(self, data) -> None:
+            self.reader.feed_data(bytes(data))
+
+        async def drain(self) -> None:
+            pass
+
+    async def once(threaded: bool) -> tuple[float, Frame]:
+        reader, gaps, done = asyncio.StreamReader(), [], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.0005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        for _ in range(busy_matmuls):  # queued on the GPU ahead of the frame's copies
+            a @ a
+        if threaded:
+            await write_frame(Sink(reader), frame)
+        else:
+            for buf in encode_frame(frame):
+                reader.feed_data(bytes(buf))
+        await asyncio.sleep(0.01)
+        done.set()
+        await tick
+        reader.feed_eof()
+        return max(gaps), await read_frame(reader)
+
+    out = {"tensor_shape": list(shape)}
+    for name, threaded in (("write_frame", True), ("blocking", False)):
+        asyncio.run(once(threaded))  # warm up (kernels, pinned memory)
+        stall, got = asyncio.run(once(threaded))
+        assert torch.equal(got.tensors["raw"], x[:1].cpu()), "a raw tensor came back changed"
+        error = float((got.tensors["x"] - x.cpu()).norm() / x.norm().cpu())
+        assert error < 0.02, f"int8 frame decoded with relative error {error}"
+        out[name] = {"loop_stall_ms": round(stall * 1e3, 2), "int8_relative_error": round(error, 5)}
+    return out
+
+
 SWARM_MODEL = {"n_layer": 4, "d_model": 512, "n_head": 8, "seq_len": 256}
 
 
@@ -219,6 +286,7 @@ def main() -> None:
         "triton": triton.__version__,
         "kernels": check_kernels(args.device),
         "codecs": check_codecs(args.device),
+        "frames": check_frames(args.device),
         "mixed_precision": check_mixed_precision(args.device),
     }
     if not args.skip_swarm:

@@ -461,7 +461,7 @@ class StagePeer:
                 "membership proof from %s is a %s record of %s", caller[-8:], record.role, record.peer_id[-8:]
             )
             return False
-        logger.warning("took %s's membership proof: stage %d", caller[-8:], record.stage)  # DEBUG
+        logger.info("took %s's membership proof: stage %d", caller[-8:], record.stage)
         self._records = fresher_view(self._records, [record], self.peer_id)
         self._members[caller] = record.stage
         return True

@@ -43,6 +43,13 @@ def test_the_codec_check_encodes_and_decodes_where_the_tensor_lives():
     assert isinstance(report["meets_aim"], bool)
 
 
+def test_the_frames_check_round_trips_a_frame_both_ways():
+    report = gpu_check.check_frames("cpu", (2, 16, 64), busy_matmuls=1)
+    for way in ("write_frame", "blocking"):
+        assert report[way]["int8_relative_error"] < 0.02
+        assert report[way]["loop_stall_ms"] > 0
+
+
 @pytest.mark.swarm
 def test_the_swarm_check_trains_two_peers_with_int8_on_the_wire():
     model = {"n_layer": 2, "d_model": 64, "n_head": 2, "seq_len": 32}

@@ -24,6 +24,7 @@ decoded tensors, and `wire_nbytes` says what the frame cost on the wire.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import struct
 from collections.abc import Callable
@@ -134,14 +135,64 @@ def error_frame(
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's bytes in host memory; a GPU tensor (a compressed payload, or a raw tensor
-    sent without a codec) is copied out through pinned memory."""
+    sent without a codec) is copied out through pinned memory. `write_frame` moves a frame's
+    GPU tensors to the host first, off the event loop (`to_host`): this is the fallback."""
     t = t.detach().contiguous()
     if t.is_cuda:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()
-        t = host
+        t = _copy_to_host([t])[0]
     return memoryview(t.cpu().reshape(-1).view(torch.uint8).numpy())
+
+
+_copy_streams: dict[torch.device, Any] = {}
+
+
+def _copy_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Pinned host copies of CUDA `tensors`, made on a copy stream of their device (so they
+    overlap compute queued after them) and waited for by this thread only."""
+    device = tensors[0].device
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
+    stream.wait_stream(torch.cuda.current_stream(device))  # after the kernels that made them
+    hosts = []
+    with torch.cuda.stream(stream):
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t.record_stream(stream)  # the allocator keeps t's memory until the copy is done
+            hosts.append(host)
+    done = torch.cuda.Event()
+    done.record(stream)
+    done.synchronize()
+    return hosts
+
+
+def has_device_tensors(frame: Frame) -> bool:
+    """Whether any of `frame`'s tensors (or encoded payloads) is on a GPU."""
+    return any((t.payload if isinstance(t, Encoded) else t).is_cuda for t in frame.tensors.values())
+
+
+def to_host(frame: Frame) -> Frame:
+    """`frame` with its GPU tensors compressed on the GPU (as `frame.codecs` says: only the
+    compressed bytes cross to the host) and copied to pinned host memory on a copy stream.
+    Blocks until the copies are done: `write_frame` runs it in a worker thread, so the event
+    loop never waits for the GPU. A frame without GPU tensors is returned as it is."""
+    if not has_device_tensors(frame):
+        return frame
+    tensors, codecs = dict(frame.tensors), dict(frame.codecs)
+    for name, t in frame.tensors.items():
+        if codecs.get(name, "none") != "none" and isinstance(t, torch.Tensor) and t.is_cuda:
+            tensors[name] = _encode(name, t, codecs.pop(name))  # ValueError for inf/NaN, as in encode_frame
+
+    def device_part(t: torch.Tensor | Encoded) -> torch.Tensor:
+        return t.payload if isinstance(t, Encoded) else t
+
+    on_gpu = [name for name, t in tensors.items() if device_part(t).is_cuda]
+    hosts = _copy_to_host([device_part(tensors[name]).detach().contiguous() for name in on_gpu])
+    for name, host in zip(on_gpu, hosts, strict=True):
+        t = tensors[name]
+        tensors[name] = dataclasses.replace(t, payload=host) if isinstance(t, Encoded) else host
+    return dataclasses.replace(frame, tensors=tensors, codecs=codecs)
 
 
 def _encode(name: str, t: torch.Tensor, codec_name: str) -> Encoded:
@@ -442,7 +493,12 @@ async def read_frame(
 
 
 async def write_frame(writer: asyncio.StreamWriter, frame: Frame, *, preamble: bytes = b"") -> int:
-    """Write `preamble` then `frame` (compressed as `frame.codecs` says); returns its wire payload bytes."""
+    """Write `preamble` then `frame` (compressed as `frame.codecs` says); returns its wire payload bytes.
+
+    A frame holding GPU tensors is compressed and copied to the host in a worker thread first
+    (`to_host`): the event loop never waits for the GPU."""
+    if has_device_tensors(frame):
+        frame = await asyncio.to_thread(to_host, frame)
     # every separate send is a hop through both p2p daemons: send small frames whole, and a
     # large frame's prefix and header together (copying its payload would cost more)
     prefix, header, *payload = encode_frame(frame)
