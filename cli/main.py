@@ -33,6 +33,7 @@ from swarmtrain.cli.options import (  # noqa: E402
     setup_logging,
     trust_settings,
 )
+from swarmtrain.cli.simulate import simulate  # noqa: E402
 from swarmtrain.cli.tools import demo, export, probe, status  # noqa: E402
 from swarmtrain.errors import SwarmError  # noqa: E402
 
@@ -191,7 +192,7 @@ def train(
     run_guarded(main)
 
 
-for command in (probe, status, export, demo, keygen, whoami):  # after the roles in --help
+for command in (probe, status, export, demo, simulate, keygen, whoami):  # after the roles in --help
     app.command()(command)
 
 

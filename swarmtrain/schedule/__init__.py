@@ -13,7 +13,14 @@ from swarmtrain.schedule.accounting import (
 )
 from swarmtrain.schedule.queue import ReadinessQueue, StaticQueue, Task, in_flight_budget, one_f_one_b
 from swarmtrain.schedule.readiness import Readiness, ReadinessConfig, ReadinessEstimator
-from swarmtrain.schedule.routing import BanConfig, Bans, ReadinessRouter, RoundRobinRouter, RouterConfig
+from swarmtrain.schedule.routing import (
+    BanConfig,
+    Bans,
+    ReadinessRouter,
+    RoundRobinRouter,
+    RouterConfig,
+    StochasticRouter,
+)
 from swarmtrain.schedule.window import InFlightWindow, WindowConfig
 
 __all__ = [
@@ -34,6 +41,7 @@ __all__ = [
     "RouterConfig",
     "StageCommitPlan",
     "StaticQueue",
+    "StochasticRouter",
     "StepLedger",
     "Task",
     "WindowConfig",

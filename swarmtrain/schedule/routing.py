@@ -21,6 +21,7 @@ router answers None and the caller waits for a ban to end or a new replica to ap
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 
 from swarmtrain.schedule.static import round_robin
@@ -142,7 +143,10 @@ class ReadinessRouter:
         self.outstanding: dict[str, int] = {}
 
     def view(self, peer: str) -> ReplicaView:
-        return self.views.setdefault(peer, ReplicaView())
+        v = self.views.get(peer)
+        if v is None:
+            v = self.views[peer] = ReplicaView()
+        return v
 
     def report(
         self, peer: str, *, backlog_s: float, service_s: float, now: float, from_reply: bool = True
@@ -177,25 +181,26 @@ class ReadinessRouter:
             return None
         if prefer in allowed:
             return prefer
-        known = [self.views[p].service_s for p in allowed if self.view(p).service_s is not None]
-        default = sorted(known)[len(known) // 2] if known else 0.0
+        views = [self.view(p) for p in allowed]
+        known = sorted(v.service_s for v in views if v.service_s is not None)
+        default = known[len(known) // 2] if known else 0.0
         best = min(allowed, key=lambda p: (self.expected_s(p, now, nbytes, default), p))
         # Probe a replica we have sent nothing for a while: its service time is old news, and a
         # peer that was slow and recovered is seen again (at the cost of one microbatch).
+        stale = self.config.stale_after_s
         idle = [
             p
-            for p in allowed
-            if not self.outstanding.get(p)
-            and (now - self.view(p).last_sent > self.config.stale_after_s or self._due_for_probe(p, best))
+            for p, v in zip(allowed, views)
+            if not self.outstanding.get(p) and (now - v.last_sent > stale or self._due_for_probe(p, best))
         ]
         chosen = best
         if idle and best not in idle:
             chosen = min(idle, key=lambda p: (self.view(p).last_sent, p))
         if chosen != best and now - self.view(chosen).last_sent <= self.config.stale_after_s:
             self.view(chosen).slow_probes += 1  # a count-based probe: the next one comes later
-        for p in allowed:
-            v = self.view(p)
-            v.passed_over = 0 if p == chosen else v.passed_over + 1
+        for v in views:
+            v.passed_over += 1
+        self.view(chosen).passed_over = 0
         return chosen
 
     def _due_for_probe(self, peer: str, best: str) -> bool:
@@ -246,3 +251,28 @@ class RoundRobinRouter(ReadinessRouter):
             if peer in allowed:
                 return peer
         return None
+
+
+class StochasticRouter(ReadinessRouter):
+    """SWARM parallelism's wiring (Ryabinin et al. 2023): a replica drawn at random with
+    probability proportional to its throughput (1 / its reported service time; a replica
+    not measured yet counts as the median of those that are). Banned replicas are skipped,
+    and `prefer` still wins. `seed` makes the draws repeatable."""
+
+    def __init__(self, config: RouterConfig | None = None, *, seed: int = 0):
+        super().__init__(config)
+        self._rng = random.Random(seed)
+
+    def choose(
+        self, candidates: list[str], now: float, *, nbytes: int = 0, order: int = 0, prefer: str | None = None
+    ) -> str | None:
+        allowed = sorted(p for p in set(candidates) if not self.bans.is_banned(p, now))
+        if not allowed:
+            return None
+        if prefer in allowed:
+            return prefer
+        services = [self.view(p).service_s for p in allowed]
+        known = sorted(s for s in services if s)
+        default = known[len(known) // 2] if known else 1.0
+        weights = [1.0 / (s or default) for s in services]
+        return self._rng.choices(allowed, weights=weights)[0]
