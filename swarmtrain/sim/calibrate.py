@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from swarmtrain.sim.scenario import ModelSpec, PeerGroup, Scenario
 from swarmtrain.sim.swarm import simulate
@@ -78,19 +78,20 @@ def run_real(
             batches = TokenBatches(
                 stdlib_text(2**20), seq_len=MODEL["seq_len"], microbatch_size=MICROBATCH_SIZE, seed=0
             )
-            before = _final_busy(trainer, set(names))  # what start-up cost (tracing, the probe)
-            results, ends = [], []
-            for result in trainer.train(iter(batches), steps=steps):  # wall clock: gaps between steps count
-                results.append(result)
+            data = iter(batches)
+            list(trainer.train(data, steps=warmup))  # cold steps: neither timed nor profiled
+            before = _final_busy(trainer, set(names))
+            measured, ends = [], []
+            for result in trainer.train(data, steps=steps - warmup):  # wall clock: gaps count
+                measured.append(result)
                 ends.append(time.monotonic())
             after = _final_busy(trainer, set(names))
             busy = {p: after[p] - before.get(p, 0.0) for p in after}
     work = {}
-    for r in results:
+    for r in measured:
         for per_peer in r.work.values():
             for peer_id, count in per_peer.items():
                 work[peer_id] = work.get(peer_id, 0) + count
-    measured = results[warmup:]
     per_peer = []
     for peer_id in names:
         per_peer.append(busy[peer_id] / work[peer_id] if work.get(peer_id) else 0.0)
@@ -106,8 +107,8 @@ def run_real(
     return RealRun(
         layout=tuple(names.values()),
         schedule=schedule,
-        tokens_per_s=sum(r.tokens for r in measured[1:]) / (ends[-1] - ends[warmup]),
-        step_s=statistics.median(b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :])),
+        tokens_per_s=sum(r.tokens for r in measured[1:]) / (ends[-1] - ends[0]),
+        step_s=statistics.median(b - a for a, b in zip(ends, ends[1:])),
         service_s=dict(sorted(service.items())),
         peer_service_s=tuple(per_peer),
         shares=shares,
@@ -139,6 +140,10 @@ class Calibration:
     """Seconds a step's commit costs beyond its microbatches."""
 
 
+JITTER = 0.05
+"""Spread of a real peer's task times (lognormal sigma): without any, a simulated swarm can lock
+into one unlucky order (the slow replica always holding a step's last microbatch)."""
+SEEDS = (0, 1, 2)
 HOP_GRID_S = (0.0, 0.0005, 0.001, 0.002, 0.004, 0.008)
 
 
@@ -165,17 +170,21 @@ def scenario_of(run: RealRun, calibration: Calibration, *, steps: int = 40) -> S
         service_s=tuple(service[k] for k in range(stages)),
         hop_s=calibration.hop_s,
         commit_s=calibration.commit_s,
-        jitter=0.0,
+        jitter=JITTER,
         duration_s=run.step_s * steps,
     )
 
 
 def simulated_tokens_per_s(scenario: Scenario, warmup: int = 2) -> float:
-    result = simulate(scenario)
-    rate = result.steady_tokens_per_s(warmup)
-    if rate is None:
-        raise RuntimeError(f"the simulation ran {result.steps} steps, too few to measure")
-    return rate
+    """Steady tokens/s of `scenario`, the mean over SEEDS (its compute jitter drawn anew)."""
+    rates = []
+    for seed in SEEDS:
+        result = simulate(replace(scenario, seed=seed))
+        rate = result.steady_tokens_per_s(warmup)
+        if rate is None:
+            raise RuntimeError(f"the simulation ran {result.steps} steps, too few to measure")
+        rates.append(rate)
+    return statistics.fmean(rates)
 
 
 def calibrate(run: RealRun) -> Calibration:
