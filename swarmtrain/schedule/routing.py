@@ -133,6 +133,13 @@ class RouterConfig:
             )
 
 
+def _expected(v: ReplicaView, now: float, nbytes: int, default_service_s: float) -> float:
+    service = v.service_s if v.service_s is not None else default_service_s
+    backlog = max(0.0, v.backlog_s - max(0.0, now - v.reported_at)) if v.reported_at > -math.inf else 0.0
+    transfer = nbytes / v.bandwidth_bytes_per_s if v.bandwidth_bytes_per_s else 0.0
+    return backlog + (v.sent_since_report + 1) * service + transfer
+
+
 class ReadinessRouter:
     """Lowest expected completion time among the replicas that are not banned."""
 
@@ -163,11 +170,7 @@ class ReadinessRouter:
 
     def expected_s(self, peer: str, now: float, nbytes: int = 0, default_service_s: float = 0.0) -> float:
         """Expected seconds until `peer` would finish a microbatch sent now."""
-        v = self.view(peer)
-        service = v.service_s if v.service_s is not None else default_service_s
-        backlog = max(0.0, v.backlog_s - max(0.0, now - v.reported_at)) if v.reported_at > -math.inf else 0.0
-        transfer = nbytes / v.bandwidth_bytes_per_s if v.bandwidth_bytes_per_s else 0.0
-        return backlog + (v.sent_since_report + 1) * service + transfer
+        return _expected(self.view(peer), now, nbytes, default_service_s)
 
     def choose(
         self, candidates: list[str], now: float, *, nbytes: int = 0, order: int = 0, prefer: str | None = None
@@ -184,7 +187,7 @@ class ReadinessRouter:
         views = [self.view(p) for p in allowed]
         known = sorted(v.service_s for v in views if v.service_s is not None)
         default = known[len(known) // 2] if known else 0.0
-        best = min(allowed, key=lambda p: (self.expected_s(p, now, nbytes, default), p))
+        best = min(zip(allowed, views), key=lambda pv: (_expected(pv[1], now, nbytes, default), pv[0]))[0]
         # Probe a replica we have sent nothing for a while: its service time is old news, and a
         # peer that was slow and recovered is seen again (at the cost of one microbatch).
         stale = self.config.stale_after_s

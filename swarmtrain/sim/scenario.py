@@ -134,9 +134,10 @@ class Scenario:
     commit_s: float | None = None
     """Calibration: seconds a step's commit takes; None: the averaging model (`PlanConfig`)."""
     regions: tuple[str, ...] = ("us",)
-    neighbors: int = 0
-    """Replicas of the next stage each router chooses among (a random subset per peer, as a
-    partial DHT view); 0: all of them."""
+    neighbors: int = 16
+    """Replicas of the next stage each router chooses among at most: a random subset per peer,
+    drawn again when the stage's replicas change (a partial view of the DHT, as SWARM's peers
+    keep); 0: all of them (a choice costs time linear in the replicas)."""
     trace: tuple[TraceEvent, ...] = ()
     duration_s: float = 600.0
     seed: int = 0

@@ -203,6 +203,7 @@ class SimSwarm:
         self.peers: dict[str, SimPeer] = {}
         self.replicas: dict[int, list[SimPeer]] = defaultdict(list)
         self.version = 0
+        self._static_ids: tuple[int, dict] = (-1, {})
         """Bumped whenever a stage's serving replicas change (neighbour views are rebuilt)."""
         self.counters = defaultdict(int)
         self.layout: list[dict] = []
@@ -606,7 +607,7 @@ class SimSwarm:
             peer.queue.expect(self.step, orders, self.num_stages - stage, fused=stage == self.num_stages - 1)
 
     def _begin_step(self) -> None:
-        n, per = self.step_microbatches, self.s.microbatches_per_step
+        n = self.step_microbatches
         ids = [f"{self.step}:{i}" for i in range(n)]
         self.ledger = StepLedger(issued=tuple(ids))
         self.step_started = self.engine.now
@@ -617,12 +618,13 @@ class SimSwarm:
         if self.s.policy == "static":
             for k in range(self.num_stages):
                 self._expect(k)
-        for i, t in enumerate(self.trainers):
-            t.queue = list(range(i * per, (i + 1) * per))
+        for i, t in enumerate(self.trainers):  # interleaved, as `train.shards.Shard.positions` splits a step
+            t.queue = list(range(i, n, len(self.trainers)))
         self._kick()
 
-    def _kick(self) -> None:
-        for t in self.trainers:
+    def _kick(self, trainer: SimTrainer | None = None) -> None:
+        """Issue microbatches while windows allow: `trainer`'s, or every trainer's."""
+        for t in self.trainers if trainer is None else (trainer,):
             while t.queue and t.in_flight < t.window.size:
                 self._issue(t, t.queue.pop(0))
 
@@ -630,8 +632,9 @@ class SimSwarm:
         mb_id = f"{self.step}:{order}"
         mb = Microbatch(id=mb_id, step=self.step, order=order, trainer=trainer, replay=mb_id in self._replays)
         if self.s.policy == "static":
-            replicas = {k: [p.id for p in ps] for k, ps in self.replicas.items()}
-            mb.prefer = assign(order, replicas, self.num_stages).prefer
+            if self._static_ids[0] != self.version:
+                self._static_ids = (self.version, {k: [p.id for p in ps] for k, ps in self.replicas.items()})
+            mb.prefer = assign(order, self._static_ids[1], self.num_stages).prefer
         self.inflight[mb.id] = mb
         trainer.in_flight += 1
         self._send_forward(mb, 0, trainer)
@@ -643,10 +646,10 @@ class SimSwarm:
         mb.trainer.in_flight -= 1
         self.tokens_done += self.mb_tokens
         self._bin_tokens += self.mb_tokens
-        if len(self.ledger.completed) == self.step_microbatches:
+        if len(self.ledger.losses) == self.step_microbatches:
             self._commit()
         else:
-            self._kick()
+            self._kick(mb.trainer)
 
     def _commit(self) -> None:
         completed = self.ledger.completed
@@ -674,7 +677,7 @@ class SimSwarm:
             for mb_id in sorted(missing):
                 del self.ledger.losses[mb_id]
                 order = int(mb_id.split(":")[1])
-                trainer = self.trainers[order // self.s.microbatches_per_step]
+                trainer = self.trainers[order % len(self.trainers)]
                 trainer.queue.insert(0, order)
                 self._replays.add(mb_id)
             self._kick()
