@@ -77,8 +77,8 @@ class SimPeer:
     queue: ReadinessQueue | StaticQueue | None = None
     router: ReadinessRouter | None = None
     busy: bool = False
-    held: set = field(default_factory=set)
-    """Microbatches whose activations this peer holds until their backward."""
+    held: dict = field(default_factory=dict)
+    """Microbatch -> the epoch of it whose activations this peer holds until its backward."""
     fresh: set = field(default_factory=set)
     """Microbatches of this step whose gradient is in its buffer (first passes)."""
     kept: set = field(default_factory=set)
@@ -299,7 +299,7 @@ class SimSwarm:
             StaticQueue() if self.s.policy == "static" else ReadinessQueue(budget=self.s.max_in_flight)
         )
         peer.router = None if last else self._router(zlib.crc32(peer.id.encode()))
-        peer.held, peer.fresh, peer.tasks, peer.neighbors = set(), set(), {}, {}
+        peer.held, peer.fresh, peer.tasks, peer.neighbors = {}, set(), {}, {}
         self.replicas[stage].append(peer)
         self.version += 1
         if self.s.policy == "static" and self.ledger is not None:
@@ -410,7 +410,8 @@ class SimSwarm:
             mb, epoch = peer.tasks.pop((task.kind, task.mb_id), (None, None))
             if mb is not None and mb.epoch == epoch:
                 break
-            peer.held.discard(task.mb_id)  # its microbatch went another way: nothing to run
+            if epoch is not None and peer.held.get(task.mb_id) == epoch:
+                del peer.held[task.mb_id]  # its microbatch went another way: nothing to run
         seconds = self._compute_s(peer, task.kind)
         peer.busy = True
         peer.estimator.started(task.kind, now)
@@ -426,10 +427,10 @@ class SimSwarm:
         self._bin_busy[peer.stage] += seconds
         if mb.epoch == epoch:
             if task.kind == "forward":
-                peer.held.add(mb.id)
+                peer.held[mb.id] = epoch
                 self._send_forward(mb, peer.stage + 1, peer)
             else:
-                peer.held.discard(mb.id)
+                peer.held.pop(mb.id, None)
                 if mb.id not in peer.fresh:
                     (peer.kept if mb.replay else peer.fresh).add(mb.id)
                 self._reply(mb, epoch, peer)
@@ -453,8 +454,10 @@ class SimSwarm:
 
     def _arrive_backward(self, mb, epoch, stage, caller, cepoch, sender_id, readiness) -> None:
         now = self.engine.now
-        if isinstance(caller, SimPeer) and (not caller.alive or caller.epoch != cepoch):
-            return  # the caller died: its own caller deals with the microbatch
+        if isinstance(caller, SimPeer) and (
+            not caller.alive or caller.epoch != cepoch or caller.held.get(mb.id) != epoch
+        ):
+            return  # the caller died, moved or let the microbatch go: its own caller deals with it
         caller.router.report(sender_id, backlog_s=readiness.backlog_s, service_s=readiness.service_s, now=now)
         caller.router.done(sender_id, now, ok=True)
         if mb.epoch != epoch:
@@ -479,6 +482,8 @@ class SimSwarm:
         self.counters["hop_retries"] += 1
         self.ledger.replay("peer lost")
         mb.replay = True
+        if isinstance(sender, SimPeer):
+            sender.held[mb.id] = mb.epoch  # its activations serve the retry
         self._send_forward(mb, stage, sender)
 
     # churn
@@ -498,7 +503,7 @@ class SimSwarm:
                 continue
             j = mb.path.index(peer)
             for later in mb.path[j:]:
-                later.held.discard(mb.id)
+                later.held.pop(mb.id, None)
             caller = mb.trainer if j == 0 else mb.path[j - 1]
             del mb.path[j:]
             mb.epoch += 1
