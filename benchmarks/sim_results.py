@@ -25,9 +25,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swarmtrain.cli.simulate import _default_mix  # noqa: E402
 from swarmtrain.sim import Scenario, simulate  # noqa: E402
-from swarmtrain.sim.scenario import PeerGroup  # noqa: E402
+from swarmtrain.sim.scenario import PeerGroup, default_mix  # noqa: E402
 
 POLICIES = ("readiness", "static", "stochastic")
 WIDE = (("a100", 0.05), ("4090", 0.2), ("3090", 0.25), ("t4", 0.3), ("cpu", 0.2))
@@ -43,21 +42,21 @@ def cases(quick: bool) -> list[tuple[str, str, Scenario, tuple[str, ...]]]:
     d = 300.0 if quick else 1200.0
     out = []
     for n in (10, 100) if quick else (10, 100, 1000):
-        out.append(("size", f"{n} peers", Scenario(peers=_default_mix(n), duration_s=d), POLICIES))
+        out.append(("size", f"{n} peers", Scenario(peers=default_mix(n), duration_s=d), POLICIES))
     if not quick:
         out.append(
-            ("size", "10000 peers", Scenario(peers=_default_mix(10_000), duration_s=60.0), ("readiness",))
+            ("size", "10000 peers", Scenario(peers=default_mix(10_000), duration_s=60.0), ("readiness",))
         )
     for rate in (0.0, 0.5, 2.0):
-        s = Scenario(peers=_default_mix(100), preemption_per_hour=rate, downtime_s=300, duration_s=2 * d)
+        s = Scenario(peers=default_mix(100), preemption_per_hour=rate, downtime_s=300, duration_s=2 * d)
         out.append(("preemption", f"{rate}/h", s, POLICIES))
     for name, peers in (
         ("all 4090", (PeerGroup(profile="4090", count=100),)),
-        ("default mix", _default_mix(100)),
+        ("default mix", default_mix(100)),
         ("wide (A100..CPU)", wide_mix(100)),
     ):
         out.append(("heterogeneity", name, Scenario(peers=peers, duration_s=d), POLICIES))
-    base = Scenario(peers=_default_mix(100), preemption_per_hour=1.0, downtime_s=300, duration_s=2 * d)
+    base = Scenario(peers=default_mix(100), preemption_per_hour=1.0, downtime_s=300, duration_s=2 * d)
     out.append(("re-planning", "on", base, POLICIES))
     out.append(("re-planning", "off", dataclasses.replace(base, replan=False), POLICIES))
     return out

@@ -10,17 +10,6 @@ import typer
 
 from swarmtrain.cli.options import run_guarded
 
-DEFAULT_MIX = (("a100", 0.1), ("4090", 0.3), ("3090", 0.3), ("t4", 0.3))
-"""What --peers N is made of."""
-
-
-def _default_mix(n: int):
-    from swarmtrain.sim.scenario import PeerGroup
-
-    counts = [int(n * share) for _, share in DEFAULT_MIX]
-    counts[-1] += n - sum(counts)
-    return tuple(PeerGroup(profile=name, count=c) for (name, _), c in zip(DEFAULT_MIX, counts) if c)
-
 
 def simulate(
     scenario: Annotated[
@@ -61,7 +50,7 @@ def simulate(
     from swarmtrain.errors import ConfigError
     from swarmtrain.sim import Scenario, load_scenario
     from swarmtrain.sim import simulate as run
-    from swarmtrain.sim.scenario import POLICIES
+    from swarmtrain.sim.scenario import POLICIES, default_mix
     from swarmtrain.sim.scenario import mix as parse_mix
 
     def main() -> None:
@@ -80,7 +69,7 @@ def simulate(
         if peers is not None and mix is not None:
             raise ConfigError("give --peers or --mix, not both")
         if peers is not None:
-            changes["peers"] = _default_mix(peers)
+            changes["peers"] = default_mix(peers)
         if mix is not None:
             changes["peers"] = parse_mix(mix)
         policies = [p.strip() for p in (policy or base.policy).split(",") if p.strip()]

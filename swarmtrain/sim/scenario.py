@@ -232,3 +232,16 @@ def mix(spec: str) -> tuple[PeerGroup, ...]:
             )
         groups.append(PeerGroup(profile=name.lower(), count=int(count)))
     return tuple(groups)
+
+
+DEFAULT_MIX = (("a100", 0.1), ("4090", 0.3), ("3090", 0.3), ("t4", 0.3))
+"""What `swarmtrain simulate --peers N` is made of."""
+
+
+def default_mix(n: int) -> tuple[PeerGroup, ...]:
+    """`n` peers of DEFAULT_MIX (the remainder to its last profile)."""
+    counts = [int(n * share) for _, share in DEFAULT_MIX]
+    counts[-1] += n - sum(counts)
+    return tuple(
+        PeerGroup(profile=name, count=c) for (name, _), c in zip(DEFAULT_MIX, counts, strict=True) if c
+    )
