@@ -236,6 +236,8 @@ def test_a_scenario_file_is_read_and_a_bad_one_named(tmp_path):
         mix("4090:2,gtx1060:3")
     with pytest.raises(ConfigError, match="policy must be one of"):
         Scenario(policy="random")
+    example = load_scenario(REPO / "examples" / "sim" / "spot-swarm.toml")  # the README's example
+    assert example.num_peers == 88 and example.trace[0].count == 20
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
