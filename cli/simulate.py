@@ -14,36 +14,63 @@ from swarmtrain.cli.options import run_guarded
 def simulate(
     scenario: Annotated[
         str | None,
-        typer.Option(help="A scenario file (TOML; see swarmtrain.sim.scenario). Flags override it."),
+        typer.Option(
+            help="A scenario file (TOML; examples/sim/spot-swarm.toml). Flags override it.",
+            show_default="the built-in scenario: 8 4090s and 8 T4s",
+        ),
     ] = None,
     peers: Annotated[
         int | None,
-        typer.Option(min=1, help="Peers of the default mix (10% A100, 30% 4090, 30% 3090, 30% T4)."),
+        typer.Option(
+            min=1,
+            help="Peers of the default mix (10% A100, 30% 4090, 30% 3090, 30% T4).",
+            show_default="the scenario's peers",
+        ),
     ] = None,
-    mix: Annotated[str | None, typer.Option(help="Peers as PROFILE:COUNT,... e.g. 4090:100,t4:300.")] = None,
+    mix: Annotated[
+        str | None,
+        typer.Option(
+            help="Peers as PROFILE:COUNT,... e.g. 4090:100,t4:300.", show_default="the scenario's peers"
+        ),
+    ] = None,
     policy: Annotated[
         str | None,
-        typer.Option(help="readiness, static or stochastic; several comma-separated run side by side."),
+        typer.Option(
+            help="readiness, static or stochastic; several comma-separated run side by side.",
+            show_default="readiness",
+        ),
     ] = None,
     replan: Annotated[
-        bool | None, typer.Option("--replan/--no-replan", help="Live re-planning: peers move between stages.")
+        bool | None,
+        typer.Option(
+            "--replan/--no-replan", help="Live re-planning: peers move between stages.", show_default="on"
+        ),
     ] = None,
     preemption_per_hour: Annotated[
-        float | None, typer.Option(min=0.0, help="Preemptions per spot peer per hour.")
+        float | None, typer.Option(min=0.0, help="Preemptions per spot peer per hour.", show_default="0")
     ] = None,
-    stall_per_hour: Annotated[float | None, typer.Option(min=0.0, help="Stalls per peer per hour.")] = None,
-    duration_s: Annotated[float | None, typer.Option(min=1.0, help="Simulated seconds.")] = None,
+    stall_per_hour: Annotated[
+        float | None, typer.Option(min=0.0, help="Stalls per peer per hour.", show_default="0")
+    ] = None,
+    duration_s: Annotated[
+        float | None, typer.Option(min=1.0, help="Simulated seconds.", show_default="600")
+    ] = None,
     stages: Annotated[
-        int | None, typer.Option(min=1, help="Pipeline stages (default: the planner's).")
+        int | None, typer.Option(min=1, help="Pipeline stages.", show_default="the planner's choice")
     ] = None,
     neighbors: Annotated[
-        int | None, typer.Option(min=0, help="Replicas each router chooses among (0: all).")
+        int | None,
+        typer.Option(min=0, help="Replicas each router chooses among (0: all).", show_default="16"),
     ] = None,
-    codec: Annotated[str | None, typer.Option(help="Activation codec: none, fp16, int8, nf4.")] = None,
+    codec: Annotated[
+        str | None, typer.Option(help="Activation codec: none, fp16, int8, nf4.", show_default="int8")
+    ] = None,
     seed: Annotated[
-        int | None, typer.Option(help="Random seed: the same seed gives the same result.")
+        int | None, typer.Option(help="Random seed: the same seed gives the same result.", show_default="0")
     ] = None,
-    plots: Annotated[str | None, typer.Option(help="Write PNG figures into this folder.")] = None,
+    plots: Annotated[
+        str | None, typer.Option(help="Write PNG figures into this folder.", show_default="no figures")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON only.")] = False,
 ) -> None:
     """Simulate a swarm at any scale with the real scheduling, routing and planning policies."""
