@@ -11,6 +11,7 @@ Nothing here decides policy (tests/test_sim.py fails if something does).
 """
 
 from swarmtrain.sim.scenario import Scenario, load_scenario
-from swarmtrain.sim.swarm import SimResult, simulate
+from swarmtrain.sim.state import SimResult
+from swarmtrain.sim.swarm import simulate
 
 __all__ = ["Scenario", "SimResult", "load_scenario", "simulate"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from swarmtrain.errors import ConfigError
-from swarmtrain.sim.swarm import SimResult
+from swarmtrain.sim.state import SimResult
 
 
 def _pyplot():

@@ -28,12 +28,10 @@ import random
 import time
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from swarmtrain.plan.cost_model import PeerCapacity, PlanConfig, transformer_block_cost
-from swarmtrain.plan.join import serving_stage
 from swarmtrain.plan.planner import Plan, plan_swarm
-from swarmtrain.plan.rebalance import Rebalancer, best_move
+from swarmtrain.plan.rebalance import Rebalancer
 from swarmtrain.schedule import (
     InFlightWindow,
     ReadinessEstimator,
@@ -49,131 +47,19 @@ from swarmtrain.schedule import (
     plan_stage_commit,
 )
 from swarmtrain.schedule.static import assign, expected_orders
+from swarmtrain.sim.churn import Churn
 from swarmtrain.sim.engine import Engine
 from swarmtrain.sim.profiles import profile, rtt_s
 from swarmtrain.sim.scenario import CODEC_BYTES, PeerGroup, Scenario
+from swarmtrain.sim.state import Microbatch, SimPeer, SimResult, SimTrainer
 
-TRAINER_BANDWIDTH = 1.25e9
 RETRY_S = 1.0
 """Seconds a hop waits before asking its router again when every replica is banned or none serves."""
 STATIC_WAKE_S = 0.5
 """Seconds after which a static queue that holds work but would not run it is asked again."""
 
 
-@dataclass(eq=False)
-class SimPeer:
-    id: str
-    group: PeerGroup
-    region: str
-    capacity: PeerCapacity
-    flops_per_s: float
-    bandwidth: float
-    stage: int | None = None
-    alive: bool = True
-    serving: bool = False
-    draining_to: int | None = None
-    epoch: int = 0
-    estimator: ReadinessEstimator | None = None
-    queue: ReadinessQueue | StaticQueue | None = None
-    router: ReadinessRouter | None = None
-    busy: bool = False
-    held: dict = field(default_factory=dict)
-    """Microbatch -> the epoch of it whose activations this peer holds until its backward."""
-    fresh: set = field(default_factory=set)
-    """Microbatches of this step whose gradient is in its buffer (first passes)."""
-    kept: set = field(default_factory=set)
-    """Replayed microbatches of this step whose gradient it keeps apart."""
-    tasks: dict = field(default_factory=dict)
-    seq: int = 0
-    up_free: float = 0.0
-    down_free: float = 0.0
-    stall_until: float = -1.0
-    busy_s: float = 0.0
-    neighbors: dict = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class SimTrainer:
-    id: str
-    router: ReadinessRouter
-    window: InFlightWindow
-    region: str = "us"
-    bandwidth: float = TRAINER_BANDWIDTH
-    up_free: float = 0.0
-    down_free: float = 0.0
-    queue: list = field(default_factory=list)
-    """Orders of this step's share not issued yet (replays first)."""
-    in_flight: int = 0
-    neighbors: dict = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class Microbatch:
-    id: str
-    step: int
-    order: int
-    trainer: SimTrainer
-    epoch: int = 0
-    path: list = field(default_factory=list)
-    """The peers holding its forward state, by stage, down to where its work is now."""
-    route: dict = field(default_factory=dict)
-    """Stage -> the peer its (last) forward went through."""
-    prefer: tuple = ()
-    replay: bool = False
-    """Sent again after a failure: a replica that computes its gradient keeps it apart (held)."""
-
-
-@dataclass
-class SimResult:
-    """What a simulation measured (`to_json` gives the report)."""
-
-    scenario: Scenario
-    tokens_per_s: float
-    steps: int
-    events: int
-    wall_s: float
-    series: dict
-    counters: dict
-    layout: list
-    stages: int
-    plan_tokens_per_s: float
-    step_ends: list
-
-    def steady_tokens_per_s(self, warmup_steps: int = 2) -> float | None:
-        """Tokens/s over the steps after `warmup_steps` (None with fewer than two of them)."""
-        ends = self.step_ends[warmup_steps:]
-        if len(ends) < 2:
-            return None
-        tokens = self.counters["tokens_per_step"]
-        return tokens * (len(ends) - 1) / (ends[-1] - ends[0])
-
-    @property
-    def events_per_s(self) -> float:
-        return self.events / self.wall_s if self.wall_s > 0 else 0.0
-
-    def to_json(self) -> dict:
-        s = self.scenario
-        return {
-            "policy": s.policy,
-            "replan": s.replan,
-            "peers": s.num_peers,
-            "stages": self.stages,
-            "duration_s": s.duration_s,
-            "seed": s.seed,
-            "tokens_per_s": round(self.tokens_per_s, 1),
-            "planned_tokens_per_s": round(self.plan_tokens_per_s, 1),
-            "of_plan": round(self.tokens_per_s / self.plan_tokens_per_s, 3)
-            if self.plan_tokens_per_s
-            else None,
-            "steps": self.steps,
-            "events": self.events,
-            "events_per_s": round(self.events_per_s),
-            "wall_s": round(self.wall_s, 2),
-            **self.counters,
-        }
-
-
-class SimSwarm:
+class SimSwarm(Churn):
     """One simulation run; see the module docstring."""
 
     def __init__(self, scenario: Scenario):
@@ -485,122 +371,6 @@ class SimSwarm:
         if isinstance(sender, SimPeer):
             sender.held[mb.id] = mb.epoch  # its activations serve the retry
         self._send_forward(mb, stage, sender)
-
-    # churn
-
-    def _lose(self, peer: SimPeer, why: str) -> None:
-        """`peer` is gone (preempted, or left): its callers learn after detect_s."""
-        peer.alive = False
-        peer.epoch += 1
-        peer.busy = False
-        self._unserve(peer)
-        self.layout.append(
-            {"t": round(self.engine.now, 3), "event": why, "peer": peer.id, "stage": peer.stage}
-        )
-        self.counters[why] += 1
-        for mb in list(self.inflight.values()):
-            if peer not in mb.path:
-                continue
-            j = mb.path.index(peer)
-            for later in mb.path[j:]:
-                later.held.pop(mb.id, None)
-            caller = mb.trainer if j == 0 else mb.path[j - 1]
-            del mb.path[j:]
-            mb.epoch += 1
-            self.engine.after(self.s.detect_s, self._hop_failed, mb, mb.epoch, j, peer, caller)
-
-    def _preempt(self, peer: SimPeer, epoch: int) -> None:
-        if not peer.alive or peer.epoch != epoch:
-            return
-        self._lose(peer, "preempted")
-        back = self.rng.expovariate(1 / self.s.downtime_s)
-        self.engine.after(back, self._join, peer.group, peer.region)
-
-    def _stall(self, peer: SimPeer, epoch: int) -> None:
-        if not peer.alive or peer.epoch != epoch:
-            return
-        peer.stall_until = self.engine.now + self.s.stall_s
-        self.counters["stalls"] += 1
-        self.engine.after(self.rng.expovariate(self.s.stall_per_hour / 3600), self._stall, peer, epoch)
-
-    def _trace(self, ev) -> None:
-        if ev.action == "join":
-            for _ in range(ev.count):
-                self._join(PeerGroup(profile=ev.profile, count=1, spot=True))
-            return
-        live = [p for p in self.peers.values() if p.alive and p.group.profile == ev.profile]
-        for peer in live[: ev.count]:
-            self._lose(peer, "left")
-
-    def _current_plan(self) -> Plan:
-        assignments = {p.id: p.stage for ps in self.replicas.values() for p in ps}
-        return Plan(
-            stage_bounds=self.bounds,
-            assignments=assignments,
-            trainers=(),
-            throughput_tokens_per_s=0.0,
-            stage_tokens_per_s=(0.0,) * self.num_stages,
-        )
-
-    def _serving_capacities(self) -> list[PeerCapacity]:
-        return [p.capacity for ps in self.replicas.values() for p in ps]
-
-    def _join(self, group: PeerGroup, region: str | None = None) -> None:
-        peer = self._new_peer(group, region)
-        try:
-            stage = serving_stage(
-                self._current_plan(), self.costs, self._serving_capacities(), self.config, peer.capacity
-            )
-        except Exception as e:  # fits no stage: it stays out, as a real peer would be refused
-            self.layout.append(
-                {"t": round(self.engine.now, 3), "event": "refused", "peer": peer.id, "why": str(e)}
-            )
-            peer.alive = False
-            return
-        self.counters["joined"] += 1
-        self.layout.append({"t": round(self.engine.now, 3), "event": "join", "peer": peer.id, "stage": stage})
-        self.engine.after(self.s.move_s, self._arrive, peer, peer.epoch, stage)
-
-    def _arrive(self, peer: SimPeer, epoch: int, stage: int) -> None:
-        if peer.alive and peer.epoch == epoch:
-            self._serve(peer, stage)
-            self._kick()
-
-    def _rebalance(self) -> None:
-        serving = [p for ps in self.replicas.values() for p in ps]
-        checks = (
-            serving
-            if len(serving) <= self.s.rebalance_checks
-            else self.rng.sample(serving, self.s.rebalance_checks)
-        )
-        plan, caps = self._current_plan(), self._serving_capacities()
-        for peer in sorted(checks, key=lambda p: p.id):
-            if peer.stage is None or not peer.serving:
-                continue
-            move = self.rebalancer.observe(peer.id, best_move(plan, self.costs, caps, self.config, peer.id))
-            if move is not None and len(self.replicas[peer.stage]) >= 2:
-                self._unserve(peer)
-                peer.draining_to = move.to_stage
-                self.layout.append(
-                    {
-                        "t": round(self.engine.now, 3),
-                        "event": "move",
-                        "peer": peer.id,
-                        "from": move.from_stage,
-                        "to": move.to_stage,
-                    }
-                )
-                self.counters["moves"] += 1
-                if not peer.busy and not len(peer.queue) and not peer.held:
-                    self._move(peer)
-                break  # one move per check: the next check sees the new layout
-        self.engine.after(self.s.rebalance_s, self._rebalance)
-
-    def _move(self, peer: SimPeer) -> None:
-        to = peer.draining_to
-        peer.draining_to = None
-        peer.epoch += 1
-        self.engine.after(self.s.move_s, self._arrive, peer, peer.epoch, to)
 
     # steps
 
