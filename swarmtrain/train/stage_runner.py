@@ -331,7 +331,8 @@ class StageRunner:
                 grads = torch.autograd.grad(
                     out, wrt, grad_outputs=grad_out * scale, allow_unused=True, retain_graph=True
                 )
-            if all(g is None or all_finite(g) for g in grads):
+            flags = [torch.isfinite(g).all() for g in grads if g is not None]
+            if not flags or bool(torch.stack(flags).all()):  # one device sync, not one per tensor
                 self.loss_scale.passed()
                 return [None if g is None else g / scale for g in grads]  # a power of two: exact
             if not self.loss_scale.backoff():
