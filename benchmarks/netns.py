@@ -166,6 +166,15 @@ class WanNet:
         """`tc qdisc show` of every peer's eth0 (to report what was in force)."""
         return [_in(ns, "tc qdisc show dev eth0").strip() for ns in self.namespaces]
 
+    def uplink_bytes(self) -> list[int]:
+        """Bytes each peer's uplink qdisc has sent so far (`tc -s qdisc`: headers included)."""
+        out = []
+        for ns in self.namespaces:
+            text = _in(ns, "tc -s qdisc show dev eth0")
+            words = text.split()
+            out.append(int(words[words.index("Sent") + 1]) if "Sent" in words else 0)
+        return out
+
     def command(self, k: int, argv: list[str]) -> list[str]:
         """`argv` wrapped to run inside peer k's namespace."""
         return ["ip", "netns", "exec", self.namespaces[k], *argv]

@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ RUN_ID = "wan"
 WARMUP_STEPS = 2
 START_TIMEOUT_S = 180.0
 HEARTBEAT_WAIT_S = 5.0
+SAMPLE_S = 0.25
+"""Seconds between samples of the links' byte counters (`LinkSampler`)."""
 """After training, wait this long so every stage peer has announced its final counters
 (stage peers announce every 2 s)."""
 CPU_SATURATED = 0.8
@@ -159,13 +162,55 @@ def measure(run: SwarmRun, rate_mbit: float, codec: str, streams: str = "reuse")
     config = WanConfig(num_peers=run.stages + 1, rate_mbit=rate_mbit, queue_ms=run.queue_ms)
     with tempfile.TemporaryDirectory(prefix="wan-swarm-") as tmp, WanNet(config) as net:
         address = start_swarm(net, run, codec, Path(tmp), streams)
+        sampler = LinkSampler(net)
+        sampler.start()
         try:
             steps = train(net, run, address, Path(tmp), streams)
         except RunFailed as e:  # what the stage peers said of each other's frames, if anything
             raise RunFailed(f"{e}\nstage peers' bad frames: {_bad_frames(Path(tmp))}") from None
+        finally:
+            sampler.stop()
         time.sleep(HEARTBEAT_WAIT_S)
         return {"steps": steps, "peers": stage_records(net, address), "qdisc": net.qdiscs()[1],
-                "bad_frames": _bad_frames(Path(tmp))}  # fmt: skip
+                "bad_frames": _bad_frames(Path(tmp)), "uplink_full": sampler.full_fractions(rate_mbit)}  # fmt: skip
+
+
+class LinkSampler(threading.Thread):
+    """Samples every peer's uplink byte counter every SAMPLE_S while a run trains, to tell a
+    link that is the bottleneck (full whenever it is in use) from one that waits in between."""
+
+    def __init__(self, net: WanNet):
+        super().__init__(daemon=True)
+        self.net = net
+        self.samples: list[tuple[float, list[int]]] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(SAMPLE_S):
+            try:
+                self.samples.append((time.monotonic(), self.net.uplink_bytes()))
+            except Exception:  # the namespaces went away at the end of the run
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(timeout=10)
+
+    def full_fractions(self, rate_mbit: float) -> dict[int, float]:
+        """Per namespace (0: trainer and coordinator, k + 1: stage k): the share of the sampled
+        intervals in which its uplink carried anything (over 5% of the rate) where it ran at 90%
+        of the rate or more."""
+        rate = rate_mbit * 1e6 / 8
+        out = {}
+        for k in range(len(self.samples[0][1]) if self.samples else 0):
+            active = full = 0
+            for (t0, a), (t1, b) in zip(self.samples, self.samples[1:]):
+                used = (b[k] - a[k]) / (t1 - t0) / rate
+                if used > 0.05:
+                    active += 1
+                    full += used >= 0.9
+            out[k] = round(full / active, 2) if active else 0.0
+        return out
 
 
 def _bad_frames(tmp: Path) -> list[str]:
@@ -209,6 +254,7 @@ def summarize(run: SwarmRun, rate_mbit: float, codec: str, measured: dict, strea
         "stage_busy_per_cpu": round(busy_per_cpu, 2),
         "bottleneck": bottleneck(of_link, busy_per_cpu),
         "bad_frames": measured.get("bad_frames", []),
+        "uplink_full_when_used": measured.get("uplink_full", {}),
     }
 
 
