@@ -179,8 +179,10 @@ def test_a_replica_killed_as_its_stage_starts_a_commit_loses_its_work_and_the_co
 
 def test_a_replica_killed_mid_work_is_replayed_by_the_stage_before_it():
     # s1r0 dies as it starts its second loss task: stage 0 replays that microbatch to s1r1
-    # itself, and whatever s1r0 had finished in that step the commit repairs.
-    config = InProcessConfig(manifest=manifest(), replicas=(1, 2))
+    # itself, and whatever s1r0 had finished in that step the commit repairs. s1r1 is slow,
+    # so the router gives s1r0 most of the work and a second loss task surely comes (with two
+    # even replicas a busy machine can leave s1r0 one task in both steps).
+    config = InProcessConfig(manifest=manifest(), replicas=(1, 2), slowdowns={"s1r1": 6.0})
 
     swarm, results = train(config, 2, before=lambda swarm: swarm.kill_on_task("s1r0", "loss", 2))
     assert "s1r0" in swarm.dead
