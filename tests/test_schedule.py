@@ -29,6 +29,7 @@ from swarmtrain.schedule import (
     one_f_one_b,
     plan_stage_commit,
 )
+from swarmtrain.schedule.routing import ReplicaView
 from swarmtrain.schedule.runtime import ComputeScheduler
 
 
@@ -461,3 +462,78 @@ def test_an_idle_scheduler_reports_the_best_service_time_it_has_shown():
     best, busy_report, idle_report = asyncio.run(main())
     assert busy_report > 1.5 * best  # recently active: its real, slower average
     assert idle_report == pytest.approx(best, abs=1e-6)  # idle for a while: its best, inviting work
+
+
+def _reference_choose(router, candidates, now, *, nbytes=0, prefer=None):
+    """ReadinessRouter.choose as its rules read, one helper per rule (the router inlines them)."""
+    from swarmtrain.schedule.routing import _expected
+
+    allowed = sorted(p for p in set(candidates) if not router.bans.is_banned(p, now))
+    if not allowed:
+        return None
+    if prefer in allowed:
+        return prefer
+    views = [router.view(p) for p in allowed]
+    known = sorted(v.service_s for v in views if v.service_s is not None)
+    default = known[len(known) // 2] if known else 0.0
+    best = min(zip(allowed, views), key=lambda pv: (_expected(pv[1], now, nbytes, default), pv[0]))[0]
+    stale = router.config.stale_after_s
+    idle = [
+        p
+        for p, v in zip(allowed, views)
+        if not router.outstanding.get(p) and (now - v.last_sent > stale or router._due_for_probe(p, best))
+    ]
+    chosen = best
+    if idle and best not in idle:
+        chosen = min(idle, key=lambda p: (router.view(p).last_sent, p))
+    if chosen != best and now - router.view(chosen).last_sent <= stale:
+        router.view(chosen).slow_probes += 1
+    for v in views:
+        v.passed_over += 1
+    router.view(chosen).passed_over = 0
+    return chosen
+
+
+_view = st.fixed_dictionaries(
+    {
+        "backlog_s": st.floats(0, 5),
+        "service_s": st.one_of(st.none(), st.floats(0.01, 4)),
+        "reported_at": st.one_of(st.just(float("-inf")), st.floats(0, 20)),
+        "sent_since_report": st.integers(0, 4),
+        "last_sent": st.one_of(st.just(float("-inf")), st.floats(0, 20)),
+        "passed_over": st.integers(0, 80),
+        "slow_probes": st.integers(0, 6),
+        "bandwidth_bytes_per_s": st.one_of(st.none(), st.floats(1e5, 1e9)),
+        "outstanding": st.integers(0, 2),
+        "banned_until": st.one_of(st.none(), st.floats(0, 30)),
+    }
+)
+
+
+@given(
+    views=st.dictionaries(st.sampled_from("abcdefghij"), _view, min_size=1, max_size=10),
+    extra=st.lists(st.sampled_from("abcdefghijklm"), max_size=4),
+    now=st.floats(0, 25),
+    nbytes=st.sampled_from([0, 10**6]),
+    prefer=st.one_of(st.none(), st.sampled_from("abk")),
+)
+def test_the_router_choice_is_its_rules_written_out(views, extra, now, nbytes, prefer):
+    # The router inlines `_expected` and `_due_for_probe` for speed: on any state it must pick
+    # the same replica and leave the same probe counters as the rules applied one by one.
+    import copy
+
+    router = ReadinessRouter()
+    for peer, fields in views.items():
+        fields = dict(fields)
+        outstanding, until = fields.pop("outstanding"), fields.pop("banned_until")
+        router.views[peer] = ReplicaView(**fields)
+        if outstanding:
+            router.outstanding[peer] = outstanding
+        if until is not None:
+            router.bans._until[peer] = until
+    candidates = list(views) + extra + list(views)[:1]  # unknown and repeated peers too
+    twin = copy.deepcopy(router)
+    assert router.choose(candidates, now, nbytes=nbytes, prefer=prefer) == _reference_choose(
+        twin, candidates, now, nbytes=nbytes, prefer=prefer
+    )
+    assert router.views == twin.views

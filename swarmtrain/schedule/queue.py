@@ -81,6 +81,10 @@ class ReadinessQueue:
     def tasks(self) -> list[Task]:
         return [t for *_, t in self._backward + self._forward]
 
+    def kinds(self) -> list[str]:
+        """The kinds of `tasks()`, in the same order."""
+        return [e[-1].kind for e in self._backward] + [e[-1].kind for e in self._forward]
+
     def push(self, task: Task) -> None:
         key = (task.step, task.order, task.seq)
         heapq.heappush(self._backward if task.kind == "backward" else self._forward, (*key, task))
@@ -92,7 +96,7 @@ class ReadinessQueue:
         if not self._forward:
             return None
         if self._forward[0][-1].holds and holding >= self.budget:
-            loss = [entry for entry in self._forward if not entry[-1].holds]  # a loss task holds nothing
+            loss = [entry for entry in self._forward if entry[-1].kind != "forward"]  # a loss task holds nothing
             if not loss:
                 return None
             entry = min(loss)
@@ -146,6 +150,10 @@ class StaticQueue:
 
     def tasks(self) -> list[Task]:
         return list(self._ready.values())
+
+    def kinds(self) -> list[str]:
+        """The kinds of `tasks()`, in the same order."""
+        return [t.kind for t in self._ready.values()]
 
     def expect(self, step: int, orders: list[int], warmup: int, *, fused: bool) -> None:
         """Announce the microbatches of `step` this peer will get; the first call per step wins."""

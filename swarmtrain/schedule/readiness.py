@@ -124,7 +124,8 @@ class ReadinessEstimator:
     def backlog_s(self, queued: Iterable[str], now: float) -> float:
         """Expected seconds before a new task could start: the average of every queued task's
         kind (`queued`), plus the running task's average less the time it has run (not below 0)."""
-        backlog = sum(self.service_of(kind) for kind in queued)
+        average = self._average
+        backlog = sum(average.get(kind, 0.0) for kind in queued)
         if self._running is not None:
             kind, since = self._running
             backlog += max(0.0, self.service_of(kind) - (now - since))

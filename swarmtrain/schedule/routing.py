@@ -179,31 +179,62 @@ class ReadinessRouter:
 
         `prefer` (a replica that already holds this microbatch's work) wins while it is allowed.
         """
-        allowed = sorted(p for p in set(candidates) if not self.bans.is_banned(p, now))
+        # This runs once per microbatch and hop, on real peers and in the simulator, where a
+        # thousand-peer swarm calls it millions of times: one pass over the candidates, the
+        # rules of `_expected` and `_due_for_probe` inlined (tests hold them equal).
+        allowed, until = set(candidates), self.bans._until
+        for p in allowed & until.keys():
+            if until[p] > now:
+                allowed.discard(p)
         if not allowed:
             return None
         if prefer in allowed:
             return prefer
-        views = [self.view(p) for p in allowed]
-        known = sorted(v.service_s for v in views if v.service_s is not None)
+        get, views = self.views.get, []
+        for p in allowed:
+            v = get(p)
+            if v is None:
+                v = self.views[p] = ReplicaView()
+            views.append((p, v))
+        known = sorted(v.service_s for _, v in views if v.service_s is not None)
         default = known[len(known) // 2] if known else 0.0
-        best = min(zip(allowed, views), key=lambda pv: (_expected(pv[1], now, nbytes, default), pv[0]))[0]
+        best, best_v, best_key = None, None, None
+        for p, v in views:
+            service = v.service_s if v.service_s is not None else default
+            backlog = v.backlog_s - (now - v.reported_at) if now > v.reported_at else v.backlog_s
+            if backlog < 0.0 or v.reported_at == -math.inf:
+                backlog = 0.0
+            transfer = nbytes / v.bandwidth_bytes_per_s if v.bandwidth_bytes_per_s else 0.0
+            key = (backlog + (v.sent_since_report + 1) * service + transfer, p)
+            if best_key is None or key < best_key:
+                best, best_v, best_key = p, v, key
         # Probe a replica we have sent nothing for a while: its service time is old news, and a
         # peer that was slow and recovered is seen again (at the cost of one microbatch).
-        stale = self.config.stale_after_s
-        idle = [
-            p
-            for p, v in zip(allowed, views)
-            if not self.outstanding.get(p) and (now - v.last_sent > stale or self._due_for_probe(p, best))
-        ]
-        chosen = best
-        if idle and best not in idle:
-            chosen = min(idle, key=lambda p: (self.view(p).last_sent, p))
-        if chosen != best and now - self.view(chosen).last_sent <= self.config.stale_after_s:
-            self.view(chosen).slow_probes += 1  # a count-based probe: the next one comes later
-        for v in views:
+        config, outstanding = self.config, self.outstanding
+        stale, every, max_slowdown = config.stale_after_s, config.probe_every, config.probe_max_slowdown
+        theirs = best_v.service_s
+        chosen, chosen_v, chosen_key, best_idle = best, best_v, None, False
+        for p, v in views:
+            if outstanding.get(p):
+                continue
+            if now - v.last_sent <= stale:
+                mine = v.service_s  # `_due_for_probe`
+                if mine is None or theirs is None or mine <= max_slowdown * theirs:
+                    v.slow_probes = 0
+                if v.passed_over < every << min(v.slow_probes, MAX_PROBE_BACKOFF):
+                    continue
+            if p == best:
+                best_idle = True
+            key = (v.last_sent, p)
+            if chosen_key is None or key < chosen_key:
+                chosen, chosen_v, chosen_key = p, v, key
+        if chosen_key is None or best_idle:
+            chosen, chosen_v = best, best_v
+        if chosen != best and now - chosen_v.last_sent <= stale:
+            chosen_v.slow_probes += 1  # a count-based probe: the next one comes later
+        for _, v in views:
             v.passed_over += 1
-        self.view(chosen).passed_over = 0
+        chosen_v.passed_over = 0
         return chosen
 
     def _due_for_probe(self, peer: str, best: str) -> bool:

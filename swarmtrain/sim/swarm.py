@@ -163,6 +163,7 @@ class SimSwarm(Churn):
         else:
             plan = plan_swarm(self.costs, [p.capacity for p in self.peers.values()], self.config)
         self.bounds = plan.stage_bounds
+        self._stage_flops: dict[int, float] = {}
         self.num_stages = plan.num_stages
         for pid, stage in sorted(plan.assignments.items()):
             self._serve(self.peers[pid], stage)
@@ -211,12 +212,15 @@ class SimSwarm(Churn):
 
     def _compute_s(self, peer: SimPeer, kind: str) -> float:
         f = self.s.forward_share
-        share = {"forward": f, "backward": 1 - f, "loss": 1.0}[kind]
+        share = f if kind == "forward" else 1 - f if kind == "backward" else 1.0
         if self.s.service_s:
             seconds = self.s.service_s[peer.stage] * share * peer.group.slowdown
         else:
-            start, stop = self.bounds[peer.stage], self.bounds[peer.stage + 1]
-            flops = sum(c.flops_per_token for c in self.costs[start:stop]) * self.mb_tokens
+            flops = self._stage_flops.get(peer.stage)
+            if flops is None:  # the layout's bounds are fixed for a run: once per stage
+                start, stop = self.bounds[peer.stage], self.bounds[peer.stage + 1]
+                flops = sum(c.flops_per_token for c in self.costs[start:stop]) * self.mb_tokens
+                self._stage_flops[peer.stage] = flops
             seconds = flops * share / peer.flops_per_s
         if self.s.jitter:
             seconds *= math.exp(self.rng.gauss(0.0, self.s.jitter))
@@ -331,7 +335,7 @@ class SimSwarm(Churn):
         stage = peer.stage
         caller = mb.trainer if stage == 0 else mb.path[stage - 1]
         del mb.path[stage:]  # this peer's part is done: losing it no longer touches the microbatch
-        queued = [t.kind for t in peer.queue.tasks()]
+        queued = peer.queue.kinds()
         readiness = peer.estimator.report(queued, self.engine.now)
         nbytes = self.activation_bytes if stage > 0 else 64
         arrive = self._transfer(peer, caller, nbytes)
