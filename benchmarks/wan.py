@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import torch  # noqa: E402
 
 from benchmarks.netns import NetnsError, WanConfig, WanNet, check_prerequisites, remove_stale  # noqa: E402
+from benchmarks.wan_swarm import STREAMS  # noqa: E402
 from benchmarks.wan_swarm import run_all as run_swarm  # noqa: E402
 from swarmtrain.compress import get_codec  # noqa: E402  (also registers the codecs with frames)
 from swarmtrain.wire.frames import Frame, read_frame, write_frame  # noqa: E402
@@ -307,7 +308,8 @@ def main() -> None:
         "--streams",
         default="per-frame,reuse",
         help="--peers swarm: the peers' stream use, comma-separated, each run side by side: 'reuse' "
-        "(idle streams carry the next call) and 'per-frame' (a stream per call, the transport before)",
+        "(idle streams carry the next call), 'per-frame' (a stream per call, the transport before) and "
+        "'paced' (reuse, frames paced to the link's rate: join/train --uplink-mbit)",
     )
     parser.add_argument(
         "--microbatches-per-step",
@@ -321,8 +323,8 @@ def main() -> None:
 
     args.codecs = args.codecs.split(",")
     args.streams = args.streams.split(",")
-    if set(args.streams) - {"reuse", "per-frame"}:
-        parser.error(f"--streams: each must be 'reuse' or 'per-frame', got {args.streams}")
+    if set(args.streams) - set(STREAMS):
+        parser.error(f"--streams: each must be one of {', '.join(STREAMS)}, got {args.streams}")
     for name in args.codecs:
         try:
             get_codec(name)

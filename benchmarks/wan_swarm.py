@@ -103,6 +103,17 @@ def _wait_file(proc: subprocess.Popen, path: Path, log: Path, what: str) -> str:
     raise RunFailed(f"{what} did not start within {START_TIMEOUT_S:.0f} s:\n{_tail(log)}")
 
 
+STREAMS = ("per-frame", "reuse", "paced")
+"""The peers' transports a run can compare: a stream per call (the transport before), idle
+streams reused, and reused streams with frames paced to the link (`--uplink-mbit`)."""
+
+
+def _stream_flags(streams: str, rate_mbit: float) -> list[str]:
+    if streams == "paced":
+        return ["--streams", "reuse", "--uplink-mbit", f"{rate_mbit:g}"]
+    return ["--streams", streams]
+
+
 def start_swarm(net: WanNet, run: SwarmRun, codec: str, tmp: Path, streams: str = "reuse") -> str:
     """Start the coordinator in namespace 0 and one stage peer per stage in namespaces
     1..stages; return the coordinator's address once every stage peer serves."""
@@ -122,7 +133,7 @@ def start_swarm(net: WanNet, run: SwarmRun, codec: str, tmp: Path, streams: str 
         proc = _spawn_logged(net, k, _cli(
             "join", "--initial-peers", address, "--run-id", RUN_ID, "--stage", str(stage), "--gpu", "cpu",
             "--host", net.address(k), "--threads", "1", "--rebalance-every", "0", "--ready-file", str(ready),
-            "--streams", streams,
+            *_stream_flags(streams, net.config.rate_mbit),
         ), log)  # fmt: skip
         joins.append((proc, ready, log, f"stage {stage} peer"))
     for proc, ready, log, what in joins:
@@ -134,7 +145,7 @@ def train(net: WanNet, run: SwarmRun, address: str, tmp: Path, streams: str = "r
     """Run `swarmtrain train --jsonl` in namespace 0 to the end; its per-step records."""
     log = tmp / "train.log"
     argv = _cli("train", "--initial-peers", address, "--run-id", RUN_ID, "--steps", str(run.steps),
-                "--threads", "1", "--jsonl", "--streams", streams)  # fmt: skip
+                "--threads", "1", "--jsonl", *_stream_flags(streams, net.config.rate_mbit))  # fmt: skip
     with open(log, "wb") as err:
         proc = net.spawn(0, argv, stdout=subprocess.PIPE, stderr=err, cwd=REPO, env=_env(), text=True)
         try:
@@ -268,7 +279,7 @@ def bottleneck(of_link_bound: float, busy_per_cpu: float) -> str:
 
 def add_speedups(rows: list[dict]) -> None:
     """Set each row's speedup_vs_none against the 'none' row of the same rate and streams, and
-    each 'reuse' row's reuse_vs_per_frame against the 'per-frame' row of its codec (None without one)."""
+    each 'reuse' or 'paced' row's reuse_vs_per_frame against the 'per-frame' row of its codec (None without one)."""
     for r in rows:
         streams = r.get("streams", "reuse")
         base = next(
@@ -280,7 +291,7 @@ def add_speedups(rows: list[dict]) -> None:
             None,
         )
         r["speedup_vs_none"] = round(r["tokens_per_s"] / base, 2) if base else None
-        if streams == "reuse":
+        if streams != "per-frame":
             old = next(
                 (
                     b["tokens_per_s"]

@@ -19,11 +19,13 @@ from swarmtrain.cli.options import (
     Streams,
     SwarmKeyPath,
     Threads,
+    UplinkMbit,
     Verbose,
     check_writable_flag,
     run_guarded,
     setup_logging,
     trust_settings,
+    uplink_bytes_per_s,
 )
 
 ROLLOUT_FAULTS = ("lie", "lie-logprobs")
@@ -91,6 +93,7 @@ def join(
         ),
     ] = 30.0,
     streams: Streams = "reuse",
+    uplink_mbit: UplinkMbit = None,
     spot: Annotated[bool, typer.Option("--spot", help="This machine may be preempted at any time.")] = False,
     max_memory: Annotated[
         str | None,
@@ -205,6 +208,7 @@ def join(
             max_strikes=max_strikes,
             read_timeout_s=read_timeout,
             reuse_streams=streams == "reuse",
+            uplink_bytes_per_s=uplink_bytes_per_s(uplink_mbit),
         )
 
     def main() -> None:

@@ -27,11 +27,13 @@ from swarmtrain.cli.options import (  # noqa: E402
     Streams,
     SwarmKeyPath,
     Threads,
+    UplinkMbit,
     Verbose,
     print_error,
     run_guarded,
     setup_logging,
     trust_settings,
+    uplink_bytes_per_s,
 )
 from swarmtrain.cli.simulate import simulate  # noqa: E402
 from swarmtrain.cli.tools import demo, export, probe, status  # noqa: E402
@@ -105,6 +107,7 @@ def train(
         ),
     ] = None,
     streams: Streams = "reuse",
+    uplink_mbit: UplinkMbit = None,
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     run_owner: RunOwner = None,
@@ -137,7 +140,9 @@ def train(
             min_trainers=min_trainers,
             verify_replicas=verify_replicas,
             fault=inject_fault,
-            transport=TransportConfig(reuse_streams=streams == "reuse"),
+            transport=TransportConfig(
+                reuse_streams=streams == "reuse", uplink_bytes_per_s=uplink_bytes_per_s(uplink_mbit)
+            ),
         )
         with Trainer(config) as trainer:
             models = ModelSources(allow=tuple(allow_model or ()))

@@ -92,6 +92,25 @@ Streams = Annotated[
 ]
 
 
+UplinkMbit = Annotated[
+    float | None,
+    typer.Option(
+        "--uplink-mbit",
+        help="This machine's uplink in Mbit/s: frames leave one after another at 95% of it, in the order "
+        "they were sent, so over a slow link the next stage gets its first microbatch early instead of "
+        "all of them late.",
+        show_default="not paced",
+        min=0.001,
+    ),
+]
+
+
+def uplink_bytes_per_s(uplink_mbit: float | None) -> float | None:
+    """--uplink-mbit as the transport's pacing rate: 95% of the link, for the daemon's and TCP's
+    framing (a pacer at the full rate lets a queue build up at the link)."""
+    return None if uplink_mbit is None else 0.95 * uplink_mbit * 1e6 / 8
+
+
 def check_allow_model_flag(patterns: list[str] | None) -> list[str]:
     """Reject an --allow-model that is not a pattern of import paths while the flags are parsed."""
     from swarmtrain.model import ModelSources

@@ -39,6 +39,7 @@ import swarmtrain.compress  # noqa: F401  (registers the codecs frames may carry
 from swarmtrain.errors import BadFrameError, Cause, PeerUnreachableError, RemoteError
 from swarmtrain.transport.budget import PeerBudget
 from swarmtrain.transport.handshake import accept_stream, open_stream
+from swarmtrain.transport.pacing import Pacer
 from swarmtrain.trust.swarmkey import SwarmKey
 from swarmtrain.wire.frames import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -102,6 +103,9 @@ class TransportConfig:
     after its reply (how the transport worked before; kept to measure against)."""
     idle_stream_s: float = 30.0
     """An idle stream older than this is closed instead of reused."""
+    uplink_bytes_per_s: float | None = None
+    """Pace the frames this peer sends to this rate, one after another in the order they were
+    sent (`swarmtrain.transport.pacing`); None: hand each to the daemon at once."""
 
     def __post_init__(self):
         if (
@@ -110,6 +114,7 @@ class TransportConfig:
             or self.max_strikes < 1
             or self.ban_s < 0
             or not 0 < self.idle_stream_s < SERVED_IDLE_S
+            or (self.uplink_bytes_per_s is not None and not self.uplink_bytes_per_s > 0)
         ):
             raise ValueError(f"invalid transport limits: {self}")
         largest = self.max_frame_bytes + PREFIX.size + MAX_HEADER_BYTES
@@ -169,6 +174,9 @@ class TensorTransport:
         self.streams_opened = 0
         """Streams this peer's calls opened (with `reuse_streams`, far fewer than calls)."""
         self._idle: dict[tuple[str, str], list[_Stream]] = {}
+        rate = self.config.uplink_bytes_per_s
+        self.pacer = Pacer(rate) if rate else None
+        """Slots on this peer's uplink (None: frames are not paced)."""
 
     # serving
 
@@ -202,10 +210,10 @@ class TensorTransport:
                     reply, whole = await self._answer(peer, reader, handler, first=first)
                     if not whole:
                         break
-                    self._count_sent(reply, await write_frame(writer, reply))
+                    self._count_sent(reply, await write_frame(writer, reply, pacer=self.pacer))
                     if not (first := await self._next_request(reader)):
                         return
-                self._count_sent(reply, await write_frame(writer, reply))
+                self._count_sent(reply, await write_frame(writer, reply, pacer=self.pacer))
                 # a refused caller may still be sending its request: read and drop what comes
                 # until it closes (closing first can make the daemon reset the stream and cut
                 # off the tail of the refusal)
@@ -348,7 +356,9 @@ class TensorTransport:
             preamble = opened
         reusable = False
         try:
-            self._count_sent(request, await write_frame(stream.writer, request, preamble=preamble))
+            self._count_sent(
+                request, await write_frame(stream.writer, request, preamble=preamble, pacer=self.pacer)
+            )
             reply = await read_frame(
                 stream.reader, max_frame_bytes=self.config.max_frame_bytes, device=self.decode_device
             )

@@ -492,17 +492,22 @@ async def read_frame(
     )
 
 
-async def write_frame(writer: asyncio.StreamWriter, frame: Frame, *, preamble: bytes = b"") -> int:
+async def write_frame(
+    writer: asyncio.StreamWriter, frame: Frame, *, preamble: bytes = b"", pacer=None
+) -> int:
     """Write `preamble` then `frame` (compressed as `frame.codecs` says); returns its wire payload bytes.
 
     A frame holding GPU tensors is compressed and copied to the host in a worker thread first
-    (`to_host`): the event loop never waits for the GPU."""
+    (`to_host`): the event loop never waits for the GPU. With a `pacer`
+    (`swarmtrain.transport.pacing.Pacer`) the encoded frame waits for its slot on the uplink."""
     if has_device_tensors(frame):
         frame = await asyncio.to_thread(to_host, frame)
     # every separate send is a hop through both p2p daemons: send small frames whole, and a
     # large frame's prefix and header together (copying its payload would cost more)
     prefix, header, *payload = encode_frame(frame)
     payload_len = sum(b.nbytes for b in payload)
+    if pacer is not None:
+        await pacer.wait(len(preamble) + len(prefix) + len(header) + payload_len)
     if payload_len <= 64 * 1024:
         writer.write(b"".join([preamble, prefix, header, *payload]))
     else:
