@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from swarmtrain.cli.options import (
+    AnnounceHost,
     Host,
     IdentityPath,
     Port,
@@ -19,6 +20,7 @@ from swarmtrain.cli.options import (
     parse_model_config,
     parse_stage_bounds,
     parse_task_options,
+    read_initial_peers_flag,
     run_guarded,
     setup_logging,
     trust_settings,
@@ -224,6 +226,7 @@ def coordinator(
     ] = 0.1,
     host: Host = "127.0.0.1",
     port: Port = 0,
+    announce_host: AnnounceHost = None,
     dashboard_port: Annotated[
         int | None,
         typer.Option(
@@ -320,8 +323,9 @@ def coordinator(
             "--initial-peers",
             help="Join an existing swarm through this peer's address (another coordinator's, any peer's, "
             "or a plain hivemind-dht node's; repeat for several): start the run there, or serve it if "
-            "the swarm runs it already (its owner's manifest, as it is).",
+            "the swarm runs it already (its owner's manifest, as it is). @FILE reads them from a file.",
             show_default="start a new swarm",
+            callback=read_initial_peers_flag,
         ),
     ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
     identity: IdentityPath = None,
@@ -358,7 +362,13 @@ def coordinator(
             trainers = []
         listen_port = port or _free_or_zero(host, owner.remembered_port())
         config = CoordinatorConfig(
-            node=NodeConfig(host=host, port=listen_port, initial_peers=tuple(initial_peers), **trust),
+            node=NodeConfig(
+                host=host,
+                port=listen_port,
+                announce_host=announce_host,
+                initial_peers=tuple(initial_peers),
+                **trust,
+            ),
             trainers=tuple(trainers),
             weight_readers=tuple(check_peer_id_flag("--weight-reader", r) for r in weight_reader) or None,
             run_id=run_id,

@@ -10,6 +10,7 @@ import typer
 
 from swarmtrain.cli.options import (
     AllowModel,
+    AnnounceHost,
     Host,
     IdentityPath,
     InitialPeers,
@@ -71,12 +72,7 @@ def join(
             callback=check_writable_flag,
         ),
     ] = None,
-    announce_host: Annotated[
-        str | None,
-        typer.Option(
-            help="Address other peers should dial, if not --host (behind NAT).", show_default="--host"
-        ),
-    ] = None,
+    announce_host: AnnounceHost = None,
     max_frame_mb: Annotated[
         float,
         typer.Option(min=0.001, help="Largest frame payload accepted, in MiB; bigger frames are refused."),

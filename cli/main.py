@@ -55,7 +55,7 @@ def train(
     initial_peers: InitialPeers,
     run_id: RunId = None,
     steps: Annotated[
-        int, typer.Option(help="Optimizer steps to run, then exit (sooner at the run's last step).")
+        int, typer.Option(min=1, help="Optimizer steps to run, then exit (sooner at the run's last step).")
     ] = 100,
     data: Annotated[
         str,

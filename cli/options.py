@@ -41,12 +41,40 @@ def check_writable_flag(ctx: typer.Context, param: typer.CallbackParam, path: Pa
     return path
 
 
+def read_initial_peers_flag(values: list[str] | None) -> list[str]:
+    """--initial-peers as given, with each @FILE replaced by the addresses in that file (one per
+    line: what `coordinator --address-file` writes)."""
+    from swarmtrain.errors import ConfigError
+
+    addresses = []
+    for value in values or ():
+        if not value.startswith("@"):
+            addresses.append(value)
+            continue
+        path = Path(value[1:])
+        try:
+            lines = path.read_text().split()
+        except OSError as e:
+            raise ConfigError(
+                f"--initial-peers {value}: cannot read {path} ({e.strerror or e}); the coordinator writes it "
+                "with --address-file once it serves"
+            ) from None
+        if not lines:
+            raise ConfigError(
+                f"--initial-peers {value}: {path} is empty (the coordinator has not served yet)"
+            )
+        addresses.extend(lines)
+    return addresses
+
+
 InitialPeers = Annotated[
     list[str],
     typer.Option(
         "--initial-peers",
         help="Address of a peer already in the swarm, as printed by `swarmtrain coordinator` "
-        "(/ip4/HOST/tcp/PORT/p2p/PEER_ID). Repeat for several.",
+        "(/ip4/HOST/tcp/PORT/p2p/PEER_ID), or @FILE to read them from a file (`coordinator "
+        "--address-file`). Repeat for several.",
+        callback=read_initial_peers_flag,
     ),
 ]
 RunId = Annotated[
@@ -62,6 +90,14 @@ Host = Annotated[
     str, typer.Option(help="IPv4 address to listen on; 0.0.0.0 accepts peers from other machines.")
 ]
 Port = Annotated[int, typer.Option(help="TCP port to listen on, 0..65535; 0 picks a free port.")]
+AnnounceHost = Annotated[
+    str | None,
+    typer.Option(
+        help="Address other peers should dial, if not --host (behind NAT or in a container); with any "
+        "--port, 0 included.",
+        show_default="--host",
+    ),
+]
 Threads = Annotated[
     int | None,
     typer.Option(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,14 @@ def check_host(host: str, flag: str = "--host") -> str:
             "or 0.0.0.0 (peers on other machines too)"
         ) from None
     return host
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the OS's pick), for a daemon that must know its port before it
+    starts: an announced address (--announce-host) names the port other peers dial."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,10 +189,11 @@ class SwarmNode:
         entry, as read, which this node stores again to keep them alive."""
         self._run_entries: dict[tuple[str, str], tuple[dict, float]] = {}
         """(owner, run id) -> the owner's signed run-list entry, as read."""
-        host_maddrs = [f"/ip4/{config.host}/tcp/{config.port}"]
-        announce = None
-        if config.announce_host and config.port:
-            announce = [f"/ip4/{config.announce_host}/tcp/{config.port}"]
+        port = config.port
+        if config.announce_host and not port:  # the announced address needs its port up front
+            port = free_port(config.host)
+        host_maddrs = [f"/ip4/{config.host}/tcp/{port}"]
+        announce = [f"/ip4/{config.announce_host}/tcp/{port}"] if config.announce_host else None
         try:
             self.dht = hivemind.DHT(
                 initial_peers=list(config.initial_peers) or None,
