@@ -66,6 +66,11 @@ from swarmtrain.wire.records import MAX_BANNED_LISTED, RunManifest
 
 logger = logging.getLogger(__name__)
 
+WAIT_NOTE_FIRST_S = 3.0
+"""A trainer waiting for stage peers says so after this long (a swarm still starting up is
+normally done by then) and every `WAIT_NOTE_EVERY_S` after."""
+WAIT_NOTE_EVERY_S = 10.0
+
 ROLLBACK_TIMEOUT_S = 120.0
 """Longest wait for one replica to take its checkpoint and go back (it may download it)."""
 REFRESH_S = 1.0
@@ -257,7 +262,8 @@ class Trainer:
         """
         stages = list(range(self.manifest.num_stages)) if stages is None else stages
         step = self.step if step is None else step
-        deadline = time.monotonic() + self.config.wait_for_stages_s
+        started = time.monotonic()
+        deadline, next_note = started + self.config.wait_for_stages_s, started + WAIT_NOTE_FIRST_S
         while True:
             by_stage = stage_replicas(
                 await self.node.peers_async(self.manifest.run_id), self.manifest.layout_version
@@ -275,7 +281,18 @@ class Trainer:
                 return eligible
             if plan := await self._rollback_plan():
                 raise RollbackNeeded(plan)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= next_note and now <= deadline:  # a wait the user sees, with what would end it
+                next_note = now + WAIT_NOTE_EVERY_S
+                logger.warning(
+                    "waiting for a peer to serve stage(s) %s of run %r (%.0f s of %.0f s): start one with %s",
+                    ", ".join(map(str, missing)),
+                    self.manifest.run_id,
+                    now - started,
+                    self.config.wait_for_stages_s,
+                    self._join_hint(missing),
+                )
+            if now > deadline:
                 seen = "; ".join(
                     f"stage {k} has replicas at steps {sorted(r.step for r in by_stage[k])}"
                     for k in missing
@@ -285,9 +302,16 @@ class Trainer:
                 raise StepFailedError(
                     f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.manifest.run_id!r}"
                     f"{at}{' (' + seen + ')' if seen else ''}: "
-                    "start one with `swarmtrain join --initial-peers ADDR --stage K`"
+                    f"start one with {self._join_hint(missing)}"
                 )
             await asyncio.sleep(0.25)
+
+    def _join_hint(self, missing: list[int]) -> str:
+        """The command that would end a wait for stage peers of `missing` stages."""
+        peers = self.config.node.initial_peers
+        address = peers[0] if peers else "ADDR"
+        stage = str(missing[0]) if len(missing) == 1 else "K"
+        return f"`swarmtrain join --initial-peers {address} --run-id {self.manifest.run_id} --stage {stage}`"
 
     async def _rollback_plan(self) -> RollbackPlan | None:
         """The rollback a lost stage calls for, None if none (`swarmtrain.train.rollback`)."""
