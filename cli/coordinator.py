@@ -12,6 +12,9 @@ from swarmtrain.cli.options import (
     AnnounceHost,
     Host,
     IdentityPath,
+    LogFile,
+    LogFormat,
+    LogLevel,
     Port,
     SwarmKeyPath,
     Verbose,
@@ -331,10 +334,13 @@ def coordinator(
     identity: IdentityPath = None,
     swarm_key: SwarmKeyPath = None,
     verbose: Verbose = False,
+    log_level: LogLevel = None,
+    log_file: LogFile = None,
+    log_format: LogFormat = "text",
 ) -> None:
     """Start a swarm (or join one): a bootstrap DHT peer that publishes a run's manifest, signed as
     the run's owner, or serves the manifest its owner signed when the swarm runs it already."""
-    setup_logging(verbose)
+    setup_logging(verbose, log_level, log_file, log_format)
     from swarmtrain.peers.coordinator import Coordinator, CoordinatorConfig
     from swarmtrain.peers.dashboard.config import DashboardConfig
     from swarmtrain.plan import ReplanConfig

@@ -14,6 +14,9 @@ from swarmtrain.cli.options import (
     Host,
     IdentityPath,
     InitialPeers,
+    LogFile,
+    LogFormat,
+    LogLevel,
     Port,
     RunId,
     RunOwner,
@@ -168,10 +171,13 @@ def join(
     run_owner: RunOwner = None,
     allow_model: AllowModel = None,
     verbose: Verbose = False,
+    log_level: LogLevel = None,
+    log_file: LogFile = None,
+    log_format: LogFormat = "text",
 ) -> None:
     """Join a swarm as a stage peer (forward and backward passes), a rollout peer (--role
     rollout) or whichever the run's planner picks (--role auto), until stopped or the run's last step."""
-    setup_logging(verbose)
+    setup_logging(verbose, log_level, log_file, log_format)
     from swarmtrain.errors import ConfigError
     from swarmtrain.model import ModelSources
     from swarmtrain.peers.probe import parse_bytes, resolve_device, resolve_dtype

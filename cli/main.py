@@ -22,6 +22,9 @@ from swarmtrain.cli.options import (  # noqa: E402
     AllowModel,
     IdentityPath,
     InitialPeers,
+    LogFile,
+    LogFormat,
+    LogLevel,
     RunId,
     RunOwner,
     Streams,
@@ -113,10 +116,13 @@ def train(
     run_owner: RunOwner = None,
     allow_model: AllowModel = None,
     verbose: Verbose = False,
+    log_level: LogLevel = None,
+    log_file: LogFile = None,
+    log_format: LogFormat = "text",
 ) -> None:
     """Train a run: feed microbatches of text (bytes, or token ids from the model's tokenizer) into
     the swarm and step it. Several trainers may feed one run, each its shard of every step."""
-    setup_logging(verbose)
+    setup_logging(verbose, log_level, log_file, log_format)
     from swarmtrain.model import ModelSources
     from swarmtrain.peers.trainer import Trainer, TrainerConfig
     from swarmtrain.swarm import NodeConfig

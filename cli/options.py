@@ -180,12 +180,89 @@ def fail(message: str) -> None:
     raise typer.Exit(USAGE_EXIT_CODE)
 
 
-def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def check_log_level_flag(level: str | None) -> str | None:
+    """Reject an unknown --log-level while the flags are parsed."""
+    if level is not None and level.lower() not in LOG_LEVELS:
+        from swarmtrain.errors import ConfigError
+
+        raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    return None if level is None else level.lower()
+
+
+def check_log_format_flag(fmt: str) -> str:
+    if fmt not in ("text", "json"):
+        from swarmtrain.errors import ConfigError
+
+        raise ConfigError(f"--log-format must be 'text' or 'json', got {fmt!r}")
+    return fmt
+
+
+LogLevel = Annotated[
+    str | None,
+    typer.Option(
+        "--log-level",
+        help="Least severe log messages shown: debug, info, warning or error.",
+        show_default="warning; info with -v",
+        callback=check_log_level_flag,
+    ),
+]
+LogFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--log-file",
+        help="Also append the log to this file.",
+        show_default="stderr only",
+        callback=check_writable_flag,
+    ),
+]
+LogFormat = Annotated[
+    str,
+    typer.Option(
+        "--log-format",
+        help="'text' (time, level, logger, message) or 'json' (one object a line, for log collectors).",
+        callback=check_log_format_flag,
+    ),
+]
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line: time (ISO 8601, UTC), level, logger, message, and the exception."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import datetime
+
+        entry = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(
+    verbose: bool, level: str | None = None, file: Path | None = None, fmt: str = "text"
+) -> None:
+    """Logging for a command: `level` (else info with -v, warning without) to stderr, and to
+    `file` too when given, as text or JSON lines."""
+    name = level or ("info" if verbose else "warning")
+    if fmt == "json":
+        formatter: logging.Formatter = JsonLogFormatter()
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if file is not None:
+        handlers.append(logging.FileHandler(file, encoding="utf-8"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+    logging.basicConfig(level=getattr(logging, name.upper()), handlers=handlers)
 
 
 def parse_model_config(text: str, flag: str = "--model-config") -> dict:

@@ -11,6 +11,9 @@ import typer
 
 from swarmtrain.cli.options import (
     InitialPeers,
+    LogFile,
+    LogFormat,
+    LogLevel,
     RunOwner,
     SwarmKeyPath,
     Verbose,
@@ -82,10 +85,13 @@ def status(
     swarm_key: SwarmKeyPath = None,
     run_owner: RunOwner = None,
     verbose: Verbose = False,
+    log_level: LogLevel = None,
+    log_file: LogFile = None,
+    log_format: LogFormat = "text",
 ) -> None:
     """Show a run's stages, peers and training progress, read from the DHT (works without a
     coordinator: any peer's address will do)."""
-    setup_logging(verbose)
+    setup_logging(verbose, log_level, log_file, log_format)
     from swarmtrain.peers.status import StatusConfig, read_swarm_status, render_status
     from swarmtrain.swarm import NodeConfig
 
@@ -144,9 +150,12 @@ def export(
     swarm_key: SwarmKeyPath = None,
     run_owner: RunOwner = None,
     verbose: Verbose = False,
+    log_level: LogLevel = None,
+    log_file: LogFile = None,
+    log_format: LogFormat = "text",
 ) -> None:
     """Write a run's current model to a directory: safetensors plus the builder and its options."""
-    setup_logging(verbose)
+    setup_logging(verbose, log_level, log_file, log_format)
     from swarmtrain.peers.export import export_model
     from swarmtrain.swarm import NodeConfig
     from swarmtrain.trust.identity import Identity, default_identity_path
