@@ -357,6 +357,11 @@ def coordinator(
             raise ConfigError(
                 "give --init-from (weights only, a new run) or --resume (the whole run), not both"
             )
+        if dashboard_port is not None:
+            from swarmtrain.peers.dashboard import MISSING_EXTRA, dashboard_available
+
+            if not dashboard_available():
+                raise ConfigError(f"--dashboard-port: {MISSING_EXTRA}")
         from swarmtrain.trust.identity import Identity, default_identity_path
 
         trust = trust_settings("coordinator", identity, swarm_key)

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from swarmtrain.errors import ConfigError, SwarmError
+from swarmtrain.peers.dashboard import MISSING_EXTRA, dashboard_available
 from swarmtrain.peers.launcher import LocalSwarm, LocalSwarmConfig, cli_command
 from swarmtrain.peers.probe import probe
 from swarmtrain.train.placement import plan_emulated_peers
@@ -123,7 +124,7 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         batch=batch,
         compression=config.compression(),
         coordinator_port=config.port,
-        dashboard_port=0,
+        dashboard_port=0 if dashboard_available() else None,
         swarm_key=config.swarm_key,
         num_trainers=1,  # the demo's one trainer feeds every step
     )
@@ -140,6 +141,8 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         console.print(f"[bold]swarm up[/] in {time.monotonic() - started:.1f} s; logs in {swarm.log_dir}")
         if swarm.dashboard_url:
             console.print(f"dashboard: {swarm.dashboard_url}  (open it in a browser while the demo runs)")
+        elif not dashboard_available():
+            console.print(f"no dashboard: {MISSING_EXTRA}", markup=False, highlight=False)
         console.print("join it from another terminal with:")
         key = "" if config.swarm_key is None else f" --swarm-key {config.swarm_key}"
         console.print(

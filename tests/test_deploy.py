@@ -156,3 +156,24 @@ def test_the_coordinator_announces_its_host(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_without_the_dashboard_extra_the_coordinator_says_which_to_install(monkeypatch):
+    # (the CI's wheel check runs the demo from an install without it: it runs, dashboard off)
+    from typer.testing import CliRunner
+
+    import swarmtrain.peers.dashboard as dashboard
+
+    real_find_spec = dashboard.importlib.util.find_spec
+    monkeypatch.setattr(
+        dashboard.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "uvicorn" else real_find_spec(name, *a),
+    )
+    assert not dashboard.dashboard_available()
+    result = CliRunner().invoke(app, ["coordinator", "--dashboard-port", "0"])
+    assert result.exit_code != 0
+    assert (
+        "--dashboard-port: the dashboard needs the [dashboard] extra: pip install 'swarmtrain[dashboard]'"
+        in (result.output + str(result.exception))
+    )
