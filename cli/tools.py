@@ -229,6 +229,13 @@ def demo(
             "through a swarm of 2 stage peers and 2 rollout peers; reports held-out accuracy after each.",
         ),
     ] = False,
+    keep_logs: Annotated[
+        bool,
+        typer.Option(
+            "--keep-logs",
+            help="Keep the processes' log folder after a demo that ended well (one that failed keeps it).",
+        ),
+    ] = False,
 ) -> None:
     """Run a whole swarm on this machine: a coordinator, N stage peers and a trainer,
     each its own process on 127.0.0.1, training tiny-gpt on Python's standard library."""
@@ -253,6 +260,7 @@ def demo(
             heterogeneous=heterogeneous,
             compress=compress,
             swarm_key=None if swarm_key is None else str(swarm_key.absolute()),
+            keep_logs=keep_logs,
         )
         summary = run_demo(config, quiet=as_json)
         if as_json:

@@ -47,6 +47,8 @@ class DemoConfig:
     """One codec for activations, their gradients and the replicas' gradient sums."""
     swarm_key: str | None = None
     """A private swarm's key file every process of the demo gets; None: an open swarm."""
+    keep_logs: bool = False
+    """Keep the processes' log folder after a demo that ended well (one that failed keeps it)."""
 
     def __post_init__(self):
         if self.swarm_key is not None:
@@ -127,6 +129,7 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         dashboard_port=0 if dashboard_available() else None,
         swarm_key=config.swarm_key,
         num_trainers=1,  # the demo's one trainer feeds every step
+        keep_logs=config.keep_logs,
     )
     num_peers = sum(len(row["peer_slowdowns"]) for row in layout) if layout else config.num_stages
     started = time.monotonic()
@@ -137,8 +140,13 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
             for k, slowdowns in enumerate(stages):
                 for s in slowdowns[1:]:
                     swarm.spawn_stage(k, extra_args=("--slowdown", str(s)))
+    clean = False
     try:
-        console.print(f"[bold]swarm up[/] in {time.monotonic() - started:.1f} s; logs in {swarm.log_dir}")
+        kept = "kept" if config.keep_logs else "removed at a clean end unless --keep-logs"
+        console.print(
+            f"[bold]swarm up[/] in {time.monotonic() - started:.1f} s; logs in {swarm.log_dir} ({kept})",
+            highlight=False,
+        )
         if swarm.dashboard_url:
             console.print(f"dashboard: {swarm.dashboard_url}  (open it in a browser while the demo runs)")
         elif not dashboard_available():
@@ -152,12 +160,15 @@ def run_demo(config: DemoConfig, *, quiet: bool = False) -> dict:
         summary |= _wire_bytes(swarm, console, quiet)
         if layout is not None:
             summary["layout"] = layout
+        clean = True
         return summary
     except KeyboardInterrupt:
         console.print("interrupted: stopping every process of the demo")
         raise
     finally:
-        swarm.close()
+        swarm.close(clean=clean)
+        if not clean:
+            console.print(f"the processes' logs are kept in {swarm.log_dir}", highlight=False)
 
 
 def _wire_bytes(swarm: LocalSwarm, console: Console, quiet: bool) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,7 +71,10 @@ class LocalSwarmConfig:
     threads_per_peer: int = 1
     """torch threads of each stage peer."""
     log_dir: str | None = None
-    """Where each process's output goes; None makes a temporary folder."""
+    """Where each process's output goes; None makes a temporary folder, removed when the swarm
+    closes cleanly (kept, and named in the error, when it fails)."""
+    keep_logs: bool = False
+    """Keep the temporary log folder after a clean close too."""
     startup_timeout_s: float = 120.0
     """How long a peer may take to start before the launch fails."""
     env: dict = field(default_factory=dict)
@@ -129,6 +133,11 @@ class LocalSwarm:
         self.config = config or LocalSwarmConfig(**overrides)
         self.log_dir = Path(self.config.log_dir or tempfile.mkdtemp(prefix="swarmtrain-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._temporary_logs = self.config.log_dir is None
+        # the hand-off files of a swarm that used this folder before: read, they would point
+        # this one at processes that are gone (logs and keys stay: a key is a peer's identity)
+        for stale in [*self.log_dir.glob("*.address"), *self.log_dir.glob("*.ready")]:
+            stale.unlink(missing_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.address = ""
         self.dashboard_url: str | None = None
@@ -142,8 +151,8 @@ class LocalSwarm:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(clean=exc_type is None)
 
     # processes
 
@@ -180,11 +189,13 @@ class LocalSwarm:
                 return path.read_text().strip()
             if proc.poll() is not None:
                 raise SwarmError(
-                    f"{name} exited with code {proc.returncode} while starting:\n{self.log_tail(name)}"
+                    f"{name} exited with code {proc.returncode} while starting (its log: "
+                    f"{self.log_dir / name}.log):\n{self.log_tail(name)}"
                 )
             time.sleep(0.05)
         raise SwarmError(
-            f"{name} did not start within {self.config.startup_timeout_s:.0f} s:\n{self.log_tail(name)}"
+            f"{name} did not start within {self.config.startup_timeout_s:.0f} s (its log: "
+            f"{self.log_dir / name}.log):\n{self.log_tail(name)}"
         )
 
     def identity(self, name: str) -> Path:
@@ -344,8 +355,16 @@ class LocalSwarm:
         except ProcessLookupError:
             pass
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every peer, wait up to `timeout_s`, then SIGKILL what is left of its group."""
+    def close(self, timeout_s: float = 10.0, *, clean: bool = False) -> None:
+        """SIGTERM every peer, wait up to `timeout_s`, then SIGKILL what is left of its group.
+        `clean` (the swarm did its job): remove a temporary log folder unless `keep_logs`."""
+        try:
+            self._stop(timeout_s)
+        finally:
+            if clean and self._temporary_logs and not self.config.keep_logs:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _stop(self, timeout_s: float) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()  # the leader alone: it shuts its DHT process and daemon down itself
