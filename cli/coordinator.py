@@ -28,6 +28,7 @@ from swarmtrain.cli.options import (
     setup_logging,
     trust_settings,
 )
+from swarmtrain.cli.runfile import PrintConfig, RunFile
 
 
 def coordinator(
@@ -337,6 +338,8 @@ def coordinator(
     log_level: LogLevel = None,
     log_file: LogFile = None,
     log_format: LogFormat = "text",
+    config: RunFile = None,
+    print_config: PrintConfig = False,
 ) -> None:
     """Start a swarm (or join one): a bootstrap DHT peer that publishes a run's manifest, signed as
     the run's owner, or serves the manifest its owner signed when the swarm runs it already."""

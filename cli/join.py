@@ -31,6 +31,7 @@ from swarmtrain.cli.options import (
     trust_settings,
     uplink_bytes_per_s,
 )
+from swarmtrain.cli.runfile import PrintConfig, RunFile
 
 ROLLOUT_FAULTS = ("lie", "lie-logprobs")
 """The faults a rollout peer takes (`--inject-fault`); a `--role auto` peer gives each role its own."""
@@ -174,6 +175,8 @@ def join(
     log_level: LogLevel = None,
     log_file: LogFile = None,
     log_format: LogFormat = "text",
+    config: RunFile = None,
+    print_config: PrintConfig = False,
 ) -> None:
     """Join a swarm as a stage peer (forward and backward passes), a rollout peer (--role
     rollout) or whichever the run's planner picks (--role auto), until stopped or the run's last step."""

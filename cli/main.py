@@ -38,6 +38,7 @@ from swarmtrain.cli.options import (  # noqa: E402
     trust_settings,
     uplink_bytes_per_s,
 )
+from swarmtrain.cli.runfile import PrintConfig, RunFile, RunFileCommand  # noqa: E402
 from swarmtrain.cli.simulate import simulate  # noqa: E402
 from swarmtrain.cli.tools import demo, export, probe, status  # noqa: E402
 from swarmtrain.errors import SwarmError  # noqa: E402
@@ -49,11 +50,11 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command()(coordinator)
-app.command()(join)
+app.command(cls=RunFileCommand)(coordinator)
+app.command(cls=RunFileCommand)(join)
 
 
-@app.command()
+@app.command(cls=RunFileCommand)
 def train(
     initial_peers: InitialPeers,
     run_id: RunId = None,
@@ -119,6 +120,8 @@ def train(
     log_level: LogLevel = None,
     log_file: LogFile = None,
     log_format: LogFormat = "text",
+    config: RunFile = None,
+    print_config: PrintConfig = False,
 ) -> None:
     """Train a run: feed microbatches of text (bytes, or token ids from the model's tokenizer) into
     the swarm and step it. Several trainers may feed one run, each its shard of every step."""
@@ -204,7 +207,7 @@ def train(
 
 
 for command in (probe, status, export, demo, simulate, keygen, whoami):  # after the roles in --help
-    app.command()(command)
+    app.command(cls=RunFileCommand if command is demo else None)(command)
 
 
 def _usage_error_line(e: typer.TyperException) -> str:

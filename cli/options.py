@@ -89,7 +89,9 @@ RunId = Annotated[
 Host = Annotated[
     str, typer.Option(help="IPv4 address to listen on; 0.0.0.0 accepts peers from other machines.")
 ]
-Port = Annotated[int, typer.Option(help="TCP port to listen on, 0..65535; 0 picks a free port.")]
+Port = Annotated[
+    int, typer.Option(min=0, max=65535, help="TCP port to listen on, 0..65535; 0 picks a free port.")
+]
 AnnounceHost = Annotated[
     str | None,
     typer.Option(

@@ -22,6 +22,7 @@ from swarmtrain.cli.options import (
     run_guarded,
     setup_logging,
 )
+from swarmtrain.cli.runfile import PrintConfig, RunFile
 
 
 def probe(
@@ -236,6 +237,8 @@ def demo(
             help="Keep the processes' log folder after a demo that ended well (one that failed keeps it).",
         ),
     ] = False,
+    config: RunFile = None,
+    print_config: PrintConfig = False,
 ) -> None:
     """Run a whole swarm on this machine: a coordinator, N stage peers and a trainer,
     each its own process on 127.0.0.1, training tiny-gpt on Python's standard library."""
