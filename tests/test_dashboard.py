@@ -306,7 +306,11 @@ def test_routes_serve_page_plotly_json_events_and_metrics():
     )
     with DashboardThread(node, "dash", DashboardConfig(poll_s=0.1)) as dash:
         assert dash.url.startswith("http://127.0.0.1:")
-        wait_for(lambda: len(swarm_json(dash)["peers"]) == 2, 10, "two peers in /api/swarm")
+        wait_for(
+            lambda: len(swarm_json(dash)["peers"]) == 2 and swarm_json(dash)["trainers"],
+            10,
+            "two peers and the trainer's point in /api/swarm",
+        )  # (the trainer's points are read apart from the peers' records: both must be in)
         ctype, html = get(dash.url + "/")
         assert ctype.startswith("text/html") and "/static/plotly.min.js" in html and "cdn" not in html.lower()
         ctype, js = get(dash.url + "/static/plotly.min.js")
@@ -438,3 +442,18 @@ def test_the_rl_summary_weighs_each_trainers_step_by_its_samples():
     assert (summary["step"], summary["stale"], summary["rejected"], summary["banned"]) == (7, 1, 4, 2)
     nothing = rl_summary([point(1, 1.0)], policy_version=None, rollouts=0)
     assert nothing["reward"] is None and nothing["step"] is None and nothing["samples_per_s"] == 0
+
+
+def test_completed_steps_fold_into_one_line_between_the_events_that_matter():
+    view = SwarmView(ViewConfig(events_len=4))
+    view.update([stage_peer(A, 0, step=0)], MANIFEST, now=0.0)
+    for t in range(1, 30):  # 29 steps complete: one line, however many
+        view.update([stage_peer(A, 0, step=t)], MANIFEST, now=float(t))
+    view.update([stage_peer(A, 0, step=30), stage_peer(B, 1, step=30)], MANIFEST, now=30.0)  # B joins
+    view.update([stage_peer(A, 0, step=31), stage_peer(B, 1, step=31)], MANIFEST, now=31.0)
+    view.update([stage_peer(A, 0, step=33), stage_peer(B, 1, step=33)], MANIFEST, now=32.0)  # a poll missed one
+    log = [e.to_dict() for e in view.events]
+    assert [(e["kind"], e["count"]) for e in log] == [("join", 1), ("step", 29), ("join", 1), ("step", 3)]
+    assert [e["text"] for e in log[1::2]] == ["steps 1-29 completed", "steps 30-33 completed"]
+    assert log[1]["t"] == 29.0  # a folded line's time is its latest step's
+    assert "joined" in log[0]["text"] and "joined" in log[2]["text"]  # 4 lines hold both joins

@@ -41,6 +41,8 @@ CLI = (str(SCRIPT),) if SCRIPT.exists() else (sys.executable, "-m", "swarmtrain.
 TTL_S = 6.0
 """StageConfig.ttl_s, the default `swarmtrain join` runs with: a killed peer's record lives this long."""
 
+EVENT_KINDS_JS = "return [...document.querySelectorAll('#events > div')].map(d => d.className)"
+"""The event log's lines, newest first, by kind."""
 MAP_JS = """return [...document.querySelectorAll('#map .replica')].map(
     e => [e.dataset.peer, e.dataset.status, e.closest('.stage').dataset.stage])"""
 TABLE_JS = """return [...document.querySelectorAll('#peers tr[data-peer]')].map(tr => [tr.dataset.peer,
@@ -170,6 +172,19 @@ def test_dashboard_in_a_browser_follows_a_real_swarm_and_status_outlives_the_coo
         )
         assert [ids[1], "gone"] in [row[:2] for row in browser.execute_script(TABLE_JS)]
         assert "left" in browser.find_element("id", "events").text
+
+        # Completed steps fold into one line between the events that matter, and a kind of
+        # event can be hidden (and stays hidden as new views arrive).
+        kinds = browser.execute_script(EVENT_KINDS_JS)
+        assert "step" in kinds and "leave" in kinds, kinds
+        assert not any(a == b == "step" for a, b in zip(kinds, kinds[1:])), kinds
+        browser.execute_script("document.querySelector('#event-kinds input[data-kind=\"step\"]').click()")
+        wait_until(
+            lambda: "step" not in browser.execute_script(EVENT_KINDS_JS),
+            timeout_s=10,
+            what="step events hidden by their filter",
+        )
+        assert "leave" in browser.execute_script(EVENT_KINDS_JS)
 
         shots = [
             screenshot(browser, tmp_path / "dashboard.png"),

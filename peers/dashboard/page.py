@@ -67,6 +67,9 @@ PAGE = """<!doctype html>
   #events .leave .kind, #events .ban .kind, #events .drop .kind { color: var(--banned); }
   #events .replay .kind, #events .move .kind, #events .layout .kind { color: var(--draining); }
   #events .rollback .kind { color: var(--lost); }
+  #events .count { color: var(--muted); }
+  #event-kinds { font-size: 12px; color: var(--muted); margin-bottom: 4px; }
+  #event-kinds label { margin-right: 8px; white-space: nowrap; }
   #status.down { color: var(--banned); }
   #rl-figures { display: grid; grid-template-columns: repeat(auto-fill, minmax(118px, 1fr)); gap: 8px; margin-bottom: 8px; }
   .charts.four { grid-template-columns: repeat(auto-fit, minmax(min(280px, 100%), 1fr)); }
@@ -126,7 +129,7 @@ PAGE = """<!doctype html>
       <th class="num">sent</th><th class="num">received</th><th class="num">compr.</th>
       <th class="num">step</th><th class="num">up</th></tr></thead>
     <tbody id="peers"></tbody></table></div></section>
-  <section><h2>Events</h2><div class="scroll" id="events"></div></section>
+  <section><h2>Events</h2><div id="event-kinds"></div><div class="scroll" id="events"></div></section>
 </main>
 <script>
 "use strict";
@@ -203,10 +206,22 @@ function renderPeers(view) {
   document.getElementById("peers").innerHTML = view.peers.concat(view.gone).map(r => peerRow(r, now)).join("");
 }
 
+const hiddenKinds = new Set();  // event kinds the viewer unticked
+
+function toggleKind(kind, shown) {
+  if (shown) hiddenKinds.delete(kind); else hiddenKinds.add(kind);
+  if (lastView) renderEvents(lastView);
+}
+
 function renderEvents(view) {
+  const counts = {};
+  for (const e of view.events) counts[e.kind] = (counts[e.kind] || 0) + 1;
+  document.getElementById("event-kinds").innerHTML = Object.keys(counts).sort().map(k =>
+    `<label class="${esc(k)}"><input type="checkbox" data-kind="${esc(k)}" ${hiddenKinds.has(k) ? "" : "checked"}
+      onchange="toggleKind(this.dataset.kind, this.checked)"> ${esc(k)} (${counts[k]})</label>`).join(" ");
   const box = document.getElementById("events");
-  box.innerHTML = view.events.slice().reverse().map(e => `<div class="${esc(e.kind)}">
-    <span class="kind">${esc(e.kind)}</span> ${esc(clock(e.t))} ${esc(e.text)}</div>`).join("")
+  box.innerHTML = view.events.filter(e => !hiddenKinds.has(e.kind)).reverse().map(e => `<div class="${esc(e.kind)}">
+    <span class="kind">${esc(e.kind)}</span> ${esc(clock(e.t))} ${esc(e.text)}${e.count > 1 ? ` <span class="count">(${e.count} updates)</span>` : ""}</div>`).join("")
     || "<em>nothing yet</em>";
 }
 
@@ -242,7 +257,10 @@ function renderCharts(view) {
     name: `stage ${k}`, mode: "lines", line: {shape: "hv"}})), layout("serving peers per stage", "peers"), opts);
 }
 
+let lastView = null;  // the latest view, redrawn when a filter changes
+
 function render(view) {
+  lastView = view;
   const m = view.manifest;
   document.getElementById("run").textContent = m ? `run ${m.run_id} \\u00b7 ${m.model} \\u00b7 ` +
     `${m.num_blocks} blocks in ${m.num_stages} stages \\u00b7 ${view.peers.length} peers` +

@@ -75,9 +75,19 @@ class Event:
     """Peer concerned ('' for swarm-wide events such as a completed step)."""
     text: str
     """One line for people."""
+    count: int = 1
+    """Routine events folded into this one line (completed steps in a row)."""
+    steps: tuple[int, int] | None = None
+    """A step event's first and last completed step."""
 
     def to_dict(self) -> dict:
-        return {"t": self.t, "kind": self.kind, "peer_id": self.peer_id, "text": self.text}
+        return {
+            "t": self.t,
+            "kind": self.kind,
+            "peer_id": self.peer_id,
+            "text": self.text,
+            "count": self.count,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +224,8 @@ class SwarmView:
             step = max(stage_steps, default=0)
             if stage_steps and step > self._max_step:
                 if self._max_step >= 0:  # the first poll finds a step, it does not see it complete
-                    new.append(Event(t=now, kind="step", peer_id="", text=f"step {step} completed"))
+                    text = f"step {step} completed"
+                    new.append(Event(t=now, kind="step", peer_id="", text=text, steps=(step, step)))
                 self._max_step = step
             self.times.append(now)
             self.peers_per_stage.append(self._count_per_stage())
@@ -231,7 +242,7 @@ class SwarmView:
                 None if self.prediction is None else self.prediction["predicted_tokens_per_s"]
             )
             self._forget_old_series()
-            self.events.extend(new)
+            self._log(new)
             self.version += 1
             return new
 
@@ -254,7 +265,7 @@ class SwarmView:
             if point.rolled_back:
                 new.append(Event(t=point.t, kind="rollback", peer_id=point.trainer, text=point.rolled_back))
             series.append(point)
-            self.events.extend(new)
+            self._log(new)
             self.version += 1
             return new
 
@@ -323,6 +334,21 @@ class SwarmView:
         if not self._costs[1]:
             return None
         return layout_prediction(m, self.peers.values(), self._costs[1])
+
+    def _log(self, new: list[Event]) -> None:
+        """Append `new` to the event log, folding completed steps in a row into one line (the
+        latest event stays the line's time), so routine progress never buries joins, leaves,
+        bans, replays, drops and moves."""
+        for event in new:
+            last = self.events[-1] if self.events else None
+            if event.kind == "step" and last is not None and last.kind == "step":
+                steps, count = (last.steps[0], event.steps[1]), last.count + 1
+                text = f"steps {steps[0]}-{steps[1]} completed"
+                self.events[-1] = Event(
+                    t=event.t, kind="step", peer_id="", text=text, count=count, steps=steps
+                )
+            else:
+                self.events.append(event)
 
     def _forget_old_series(self) -> None:
         """Drop the series of gone peers and silent trainers once their last point has aged out
