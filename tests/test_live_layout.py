@@ -78,11 +78,10 @@ def test_a_layout_move_mid_run_keeps_loss_parity(local_swarm, tmp_path):
         planners = {(r.planner, r.version) for r in trainer.node.layout_records(manifest.run_id)}
     assert after == 3, f"no layout move in {len(results)} steps"
     assert swarm.procs["coordinator"].wait(timeout=30) == -9
-    # the trainer published layout 2 (and, on a busy machine whose speeds swing, perhaps a
-    # later one it had not moved to yet when the loop stopped); nobody else published any
-    assert (trainer.node.peer_id, 2) in planners and {p for p, _ in planners} == {trainer.node.peer_id}, (
-        planners
-    )
+    # the trainer published layout 2 and nobody else any; on a busy machine whose speeds swing
+    # it may have re-planned once more (its one record then holds layout 3) without having
+    # moved to it yet when the loop stopped: the move below is still to layout 2
+    assert {p for p, _ in planners} == {trainer.node.peer_id} and min(v for _, v in planners) >= 2, planners
     ((step, version, paused),) = moves
     assert step >= SLOW_FROM, moves  # mid-run, once a stage slowed down
     assert version == 2 and manifest.layout_version == 2 and manifest.stage_bounds != (0, 3, 6)
