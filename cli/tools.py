@@ -183,7 +183,10 @@ def export(
 
 def demo(
     stages: Annotated[
-        int, typer.Option(help="Pipeline stages, 1 to n_layer; one stage peer process is started per stage.")
+        int,
+        typer.Option(
+            min=1, help="Pipeline stages, 1 to n_layer; one stage peer process is started per stage."
+        ),
     ] = 3,
     steps: Annotated[
         int | None, typer.Option(min=1, help="Optimizer steps to train.", show_default="120; 200 with --rl")
@@ -202,7 +205,9 @@ def demo(
         int, typer.Option(help="Microbatches accumulated into one optimizer step; >= 1.")
     ] = 4,
     lr: Annotated[float, typer.Option(help="Learning rate (AdamW), > 0.")] = 3e-3,
-    port: Annotated[int, typer.Option(help="Coordinator TCP port, 0..65535; 0 picks a free port.")] = 0,
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Coordinator TCP port, 0..65535; 0 picks a free port.")
+    ] = 0,
     heterogeneous: Annotated[
         bool,
         typer.Option(

@@ -91,3 +91,17 @@ def test_the_example_run_files_load_for_every_command_and_the_readme_shows_them(
         for key, value in tomllib.loads(text)[command].items():
             assert settings[key] == value, (command, key)
     assert re.search(rf"--config examples/runs/{name}\.toml", text)
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (("demo", "--stages", "0"), "--stages"),
+        (("demo", "--port", "-3"), "--port"),
+        (("join", "--initial-peers", ADDR, "--port", "70000"), "--port"),
+        (("train", "--initial-peers", ADDR, "--steps", "-5"), "--steps"),
+    ],
+)
+def test_numeric_flags_out_of_range_are_refused_before_anything_starts(args, flag):
+    result = run(*args, "--print-config")  # refused while parsing: nothing printed, nothing started
+    assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.output + str(result.exception)
