@@ -417,8 +417,17 @@ def test_scheduler_runs_tasks_in_policy_order_and_reports_readiness():
 
     async def main():
         sched = ComputeScheduler(ReadinessQueue(budget=8), holding=lambda: 0, fused_last=False)
-        blocker = asyncio.ensure_future(sched.run(task("forward", 0), gate.wait))
-        await until(lambda: sched.readiness()["queue_depth"] == 1)  # it runs, blocked on the gate
+        started = threading.Event()
+
+        def blocked() -> None:
+            started.set()
+            gate.wait()
+
+        blocker = asyncio.ensure_future(sched.run(task("forward", 0), blocked))
+        # it runs, blocked on the gate (queued but not yet started, a busy machine could let
+        # the backward below overtake it: the thread would then never block with all queued)
+        await until(started.is_set)
+        assert sched.readiness()["queue_depth"] == 1
         jobs = [
             asyncio.ensure_future(sched.run(task(kind, n), order.append, (kind, n)))
             for kind, n in [("forward", 2), ("forward", 1), ("backward", 5)]
