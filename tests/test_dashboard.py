@@ -300,7 +300,9 @@ class FakeNode:
 
 def test_routes_serve_page_plotly_json_events_and_metrics():
     busy = {"queue_depth": 3, "service_s": 0.25, "replayed": 2, "failed": 1, "bytes_sent": 4096}
-    trainer = point(2, 1.0, trainer=C, completed=8, dropped=1)
+    # dated within the test's history: a point older than the first poll is a silent trainer's,
+    # dropped at each poll and read again after it (a reader between the two missed it)
+    trainer = point(2, time.time() + 60, trainer=C, completed=8, dropped=1)
     node = FakeNode(
         [stage_peer(A, 0, served=7, step=2, **busy), stage_peer(B, 1, served=7, step=2)], [trainer]
     )
