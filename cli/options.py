@@ -44,8 +44,6 @@ def check_writable_flag(ctx: typer.Context, param: typer.CallbackParam, path: Pa
 def read_initial_peers_flag(values: list[str] | None) -> list[str]:
     """--initial-peers as given, with each @FILE replaced by the addresses in that file (one per
     line: what `coordinator --address-file` writes)."""
-    from swarmtrain.errors import ConfigError
-
     addresses = []
     for value in values or ():
         if not value.startswith("@"):
@@ -188,16 +186,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def check_log_level_flag(level: str | None) -> str | None:
     """Reject an unknown --log-level while the flags are parsed."""
     if level is not None and level.lower() not in LOG_LEVELS:
-        from swarmtrain.errors import ConfigError
-
         raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
     return None if level is None else level.lower()
 
 
 def check_log_format_flag(fmt: str) -> str:
     if fmt not in ("text", "json"):
-        from swarmtrain.errors import ConfigError
-
         raise ConfigError(f"--log-format must be 'text' or 'json', got {fmt!r}")
     return fmt
 
